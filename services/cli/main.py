@@ -1,0 +1,56 @@
+"""The `prefixcache` command line: one subcommand per module, imported only when used.
+
+Lazy imports keep `prefixcache --help` instant and let a tokenizer or scheduler image run its
+subcommand without torch installed.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    module: str
+    help: str
+
+
+# Each module defines `add_arguments(parser)` and `run(args) -> int`.
+COMMANDS: tuple[Command, ...] = (
+    Command("serve", "prefixcache.services.cli.serve", "run all three services on loopback"),
+    Command("generate", "prefixcache.services.cli.generate", "stream one completion"),
+    Command("chat", "prefixcache.services.cli.chat", "interactive chat against an engine"),
+    Command("stats", "prefixcache.services.cli.stats", "print the prefix-cache counters"),
+    Command("bench", "prefixcache.services.cli.bench", "serving benchmark, with and without the cache"),
+    Command("tokenizer", "prefixcache.services.tokenizer.server", "run the tokenizer service"),
+    Command("scheduler", "prefixcache.services.scheduler.server", "run the scheduler/engine service"),
+    Command("worker", "prefixcache.services.worker.server", "run the worker service"),
+    Command("model", "prefixcache.services.cli.model", "manage the local model cache (pull)"),
+    Command("block-hashes", "prefixcache.services.cli.block_hashes", "print block hashes of token ids read from stdin"),
+)
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefixcache", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = argv[0] if argv else None
+    for command in COMMANDS:
+        sub_parser = sub.add_parser(command.name, help=command.help, description=command.help)
+        if command.name == chosen:
+            module = importlib.import_module(command.module)
+            module.add_arguments(sub_parser)
+            sub_parser.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
