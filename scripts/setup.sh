@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Sets up .venv with every component and the embedded model. Idempotent: re-running after a change to
+# the dependencies or the .proto files reinstalls; otherwise it returns in about a second.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+STAMP=$VENV/.prefixcache-installed
+fingerprint=$(cat pyproject.toml setup.py protos/*/v1/*.proto 2>/dev/null | sha256sum | cut -d' ' -f1)
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "==> creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$fingerprint" ]; then
+  echo "==> installing dependencies (first time: a few minutes)"
+  "$VENV/bin/pip" install -q --upgrade pip
+  # torch first and pinned: this exact version is the CPU build on disk; anything looser pulls CUDA wheels.
+  "$VENV/bin/pip" install -q torch==2.13.0
+  "$VENV/bin/pip" install -q -e ".[test]"
+  echo "$fingerprint" > "$STAMP"
+fi
+echo "==> embedded model"
+"$VENV/bin/prefixcache" model pull
