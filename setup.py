@@ -1,7 +1,16 @@
-"""Package layout: the `prefixcache` namespace maps onto the fixed top-level folders."""
+"""Package layout: the `prefixcache` namespace maps onto the fixed top-level folders.
+
+`build_py` also compiles `protos/**/*.proto` into Python gRPC stubs written next to them (they are
+gitignored), so every install, editable ones included, carries stubs matching its .proto files.
+"""
+import importlib.util
+from pathlib import Path
+
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 FOLDERS = {"services": "services", "kernels": "kernels", "operator": "operator", "protos": "protos"}
+ROOT = Path(__file__).resolve().parent
 
 
 def packages_and_dirs() -> tuple[list[str], dict[str, str]]:
@@ -16,5 +25,25 @@ def packages_and_dirs() -> tuple[list[str], dict[str, str]]:
     return packages, package_dir
 
 
+def generate_protos() -> None:
+    spec = importlib.util.spec_from_file_location("_codegen", ROOT / "protos" / "_codegen.py")
+    codegen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(codegen)
+    codegen.generate(ROOT / "protos")
+
+
+class BuildPyWithProtos(build_py):
+    """Generates the gRPC stubs before collecting the modules to install."""
+
+    def run(self) -> None:
+        generate_protos()
+        super().run()
+
+
 packages, package_dir = packages_and_dirs()
-setup(packages=packages, package_dir=package_dir)
+setup(
+    packages=packages,
+    package_dir=package_dir,
+    package_data={"prefixcache.protos": ["**/*.proto", "**/*.pyi"]},
+    cmdclass={"build_py": BuildPyWithProtos},
+)
