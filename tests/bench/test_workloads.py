@@ -1,0 +1,128 @@
+"""The workload generators: deterministic per seed, shaped as the issue describes."""
+import math
+import random
+from dataclasses import replace
+
+import pytest
+
+from prefixcache.services.bench.workloads import (
+    GENERATORS,
+    IntRange,
+    WorkloadOptions,
+    generate,
+    poisson_arrivals,
+)
+
+SMALL = WorkloadOptions(num_requests=20, prefix_len=64, suffix_len=IntRange(5, 20), output_len=4, thrash_prefixes=3)
+
+
+def common_prefix_len(a, b):
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("workload", list(GENERATORS))
+def test_same_seed_same_requests_other_seed_other_tokens(workload):
+    first = generate(workload, SMALL)
+    assert first == generate(workload, SMALL)
+    other = generate(workload, replace(SMALL, seed=1))
+    assert [r.prompt_token_ids for r in first] != [r.prompt_token_ids for r in other]
+
+
+@pytest.mark.parametrize("workload", list(GENERATORS))
+def test_counts_ids_and_token_range(workload):
+    options = replace(SMALL, vocab_size=1000, first_ordinary_token=17, tenants=3)
+    requests = generate(workload, options)
+    assert len(requests) == options.num_requests
+    assert len({r.request_id for r in requests}) == len(requests)
+    assert all(r.max_tokens == options.output_len for r in requests)
+    assert {r.tenant for r in requests} == {0, 1, 2}
+    tokens = [t for r in requests for t in r.prompt_token_ids]
+    assert min(tokens) >= 17 and max(tokens) <= 999
+
+
+def test_shared_system_prompt_shares_exactly_the_prefix():
+    requests = generate("shared-system-prompt", WorkloadOptions(num_requests=10, prefix_len=1000))
+    system = requests[0].prompt_token_ids[:1000]
+    for r in requests:
+        assert r.prompt_token_ids[:1000] == system
+        assert 50 <= len(r.prompt_token_ids) - 1000 <= 200
+    # The user turns differ right after the system prompt (a random token collides with p=1/49135).
+    assert sum(common_prefix_len(a.prompt_token_ids, b.prompt_token_ids) > 1000
+               for a, b in zip(requests, requests[1:])) <= 1
+
+
+def test_multi_turn_resends_history_and_orders_dependencies():
+    options = WorkloadOptions(num_requests=30, suffix_len=IntRange(10, 20), output_len=8)
+    requests = generate("multi-turn", options)
+    by_id = {r.request_id: r for r in requests}
+    position = {r.request_id: i for i, r in enumerate(requests)}
+    conversations = {}
+    for r in requests:
+        conversation, turn = r.request_id.removeprefix("multi-turn-").split("-")
+        conversations.setdefault(conversation, []).append((int(turn), r))
+    for turns in conversations.values():
+        turns.sort()
+        assert [t for t, _ in turns] == list(range(len(turns)))
+        assert len(turns) <= 8
+        for (_, previous), (_, current) in zip(turns, turns[1:]):
+            assert current.after == previous.request_id and position[previous.request_id] < position[current.request_id]
+            assert current.prompt_token_ids[: len(previous.prompt_token_ids)] == previous.prompt_token_ids
+            new = len(current.prompt_token_ids) - len(previous.prompt_token_ids)
+            assert 8 + 10 <= new <= 8 + 20  # synthetic assistant reply + the new user message
+        assert turns[0][1].after is None
+    # All conversations but possibly the last (truncated to num_requests) have 4..8 turns.
+    assert sum(len(t) < 4 for t in conversations.values()) <= 1
+    assert set(by_id) == {r.request_id for r in requests}
+
+
+def test_few_shot_shares_the_examples():
+    requests = generate("few-shot", WorkloadOptions(num_requests=5, prefix_len=803, few_shot_examples=8))
+    assert all(r.prompt_token_ids[:803] == requests[0].prompt_token_ids[:803] for r in requests)
+
+
+def test_unique_prompts_share_nothing():
+    requests = generate("unique", SMALL)
+    firsts = [r.prompt_token_ids[:4] for r in requests]
+    assert len(set(firsts)) == len(firsts)
+
+
+def test_thrash_cycles_through_distinct_prefixes():
+    requests = generate("thrash", SMALL)
+    prefixes = [r.prompt_token_ids[:64] for r in requests]
+    assert len(set(prefixes)) == 3
+    assert all(prefixes[i] == prefixes[i % 3] for i in range(len(prefixes)))
+
+
+def test_poisson_arrivals():
+    assert poisson_arrivals(3, math.inf, random.Random(0)) == [0.0, 0.0, 0.0]
+    arrivals = poisson_arrivals(4000, 20.0, random.Random(0))
+    assert arrivals == sorted(arrivals)
+    assert arrivals[-1] / len(arrivals) == pytest.approx(1 / 20.0, rel=0.05)  # mean gap is 1/rate
+    requests = generate("unique", replace(SMALL, request_rate=5.0))
+    assert [r.arrival_s for r in requests] == sorted(r.arrival_s for r in requests) and requests[0].arrival_s > 0
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [({"num_requests": 0}, "num_requests"), ({"tenants": 0}, "tenants"), ({"request_rate": 0.0}, "request_rate"),
+     ({"output_len": 0}, "output_len"), ({"first_ordinary_token": 50_000}, "first_ordinary_token")],
+)
+def test_bad_options_name_the_field(change, field):
+    with pytest.raises(ValueError, match=field):
+        WorkloadOptions(**change)
+
+
+def test_int_range_parsing():
+    assert IntRange.parse("50:200") == IntRange(50, 200)
+    assert IntRange.parse("7") == IntRange(7, 7)
+    for bad in ("0:3", "5:2", "x"):
+        with pytest.raises(ValueError):
+            IntRange.parse(bad)
+    with pytest.raises(ValueError, match="workload must be one of"):
+        generate("nope", SMALL)
+
