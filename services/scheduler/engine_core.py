@@ -1,0 +1,322 @@
+"""EngineCore: the asyncio engine around the scheduling policy.
+
+One task runs the step loop: schedule, execute on the worker, apply the output, hand each request's
+outputs to its own unbounded queue (so a slow client never holds up the loop). Clients read their
+queue through the iterator `add_request` returns; leaving that iterator early aborts the request.
+
+If the worker is lost, every in-flight request ends with `EngineUnavailable`, all blocks and every
+cached hash are dropped (the KV memory died with the worker), and the worker is initialized again,
+with backoff, before new requests are admitted.
+
+Pure asyncio: the transport lives in the `StepExecutor` (the gRPC worker client, or the in-process
+adapter in `inprocess_executor`).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from prefixcache.services.common.block_identity import BlockHasher
+from prefixcache.services.common.step import SchedulerStep, StepOutput
+from prefixcache.services.scheduler.kv_cache import CacheStats, KVCacheManager
+from prefixcache.services.scheduler.metrics import SchedulerMetrics
+from prefixcache.services.scheduler.request import EngineRequest, RequestOutput, Usage
+from prefixcache.services.scheduler.scheduler import Scheduler, SchedulerConfig
+
+__all__ = [
+    "EngineCore",
+    "EngineRequest",
+    "EngineUnavailable",
+    "QueueFull",
+    "RequestOutput",
+    "RequestRejected",
+    "SchedulerConfig",
+    "StepExecutor",
+    "Usage",
+    "WorkerInfo",
+    "WorkerUnavailable",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """The worker's description of its model and KV cache."""
+
+    model_id: str  # names the exact weights; part of every block hash
+    vocab_size: int
+    max_model_len: int
+    num_kv_blocks: int  # blocks of the scheduler's block size the worker's KV cache holds
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = ""
+
+
+class WorkerUnavailable(Exception):
+    """Raised by a StepExecutor when the worker is gone (crashed, unreachable)."""
+
+
+class EngineUnavailable(Exception):
+    """The engine cannot serve: the worker is down (or restarting), or the engine is stopping."""
+
+
+class QueueFull(Exception):
+    """The waiting queue is full; the client should retry later."""
+
+
+class RequestRejected(ValueError):
+    """Bad input, detected before the request was queued. `field` names the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class StepExecutor(Protocol):
+    async def initialize(self, block_size: int) -> WorkerInfo:
+        """(Re)initialize the worker's KV cache for this block size and describe the model."""
+        ...
+
+    async def execute(self, step: SchedulerStep) -> StepOutput:
+        """Run one step. Raises WorkerUnavailable if the worker is gone."""
+        ...
+
+
+_RECOVERY_BACKOFF_S = (0.05, 2.0)  # first and longest wait between re-initialization attempts
+
+
+class EngineCore:
+    def __init__(
+        self, config: SchedulerConfig, executor: StepExecutor, metrics: SchedulerMetrics | None = None
+    ) -> None:
+        self.config = config
+        self.metrics = metrics or SchedulerMetrics()
+        self._executor = executor
+        self._scheduler: Scheduler | None = None
+        self._worker_info: WorkerInfo | None = None
+        self._streams: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()  # set when no request is in flight
+        self._idle.set()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._serving = False  # admitting requests: started, worker up, not shutting down
+        self._stopping = False
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._install_worker(await self._executor.initialize(self.config.block_size))
+        self._loop_task = asyncio.create_task(self._step_loop(), name="engine-step-loop")
+        self._serving = True
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Stop admitting, let in-flight requests finish for up to `grace_s`, abort the rest, stop."""
+        self._serving = False
+        self._stopping = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+        except TimeoutError:
+            for request_id in list(self._streams):
+                self.abort(request_id)
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+            self._loop_task = None
+
+    @property
+    def worker_info(self) -> WorkerInfo | None:
+        return self._worker_info
+
+    @property
+    def is_serving(self) -> bool:
+        return self._serving
+
+    @property
+    def num_running(self) -> int:
+        return self._scheduler.num_running if self._scheduler else 0
+
+    @property
+    def num_waiting(self) -> int:
+        return self._scheduler.num_waiting if self._scheduler else 0
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def add_request(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Queue a request; iterate the result for its outputs. Raises RequestRejected, QueueFull or
+        EngineUnavailable at once, before anything is queued."""
+        if not self._serving or self._scheduler is None:
+            raise EngineUnavailable("the engine is stopping" if self._stopping else "the worker is not available")
+        self._validate(request)
+        if self._scheduler.num_waiting >= self.config.max_waiting:
+            raise QueueFull(f"{self._scheduler.num_waiting} requests are waiting (max_waiting={self.config.max_waiting})")
+        self._scheduler.add_request(request)
+        queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
+        self._streams[request.request_id] = queue
+        self._idle.clear()
+        self._wakeup.set()
+        self.metrics.request_added(len(request.prompt_token_ids))
+        return self._stream(request.request_id, queue)
+
+    async def _stream(
+        self, request_id: str, queue: asyncio.Queue[RequestOutput | Exception]
+    ) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished and self._streams.get(request_id) is queue:
+                self.abort(request_id)  # the client went away: free its blocks now
+
+    def abort(self, request_id: str) -> None:
+        """End a request now and free its blocks; its stream gets a last output with reason "abort".
+        Unknown or finished ids are ignored."""
+        if self._scheduler is None:
+            return
+        output = self._scheduler.abort(request_id)
+        if output is not None:
+            self._deliver(output)
+            self._wakeup.set()  # tell the worker to drop it
+
+    def _validate(self, request: EngineRequest) -> None:
+        assert self._worker_info is not None
+        info = self._worker_info
+        if request.request_id in self._streams:
+            raise RequestRejected("request_id", f"{request.request_id!r} is already in flight")
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise RequestRejected("prompt_token_ids", "the prompt is empty")
+        bad = next((t for t in prompt if not 0 <= t < info.vocab_size), None)
+        if bad is not None:
+            raise RequestRejected("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {info.vocab_size})")
+        if request.max_tokens <= 0:
+            raise RequestRejected("max_tokens", f"must be positive, got {request.max_tokens}")
+        max_len = self.max_model_len
+        if len(prompt) + request.max_tokens > max_len:
+            raise RequestRejected(
+                "max_tokens",
+                f"prompt ({len(prompt)} tokens) + max_tokens ({request.max_tokens}) exceeds the maximum length {max_len}",
+            )
+        blocks_needed = -(-(len(prompt) + request.max_tokens) // self.config.block_size)
+        if blocks_needed > info.num_kv_blocks:
+            raise RequestRejected(
+                "max_tokens",
+                f"prompt + max_tokens needs {blocks_needed} KV blocks; the worker has {info.num_kv_blocks}",
+            )
+        sampling = request.sampling
+        if sampling.temperature < 0:
+            raise RequestRejected("temperature", f"must be >= 0, got {sampling.temperature}")
+        if not 0 < sampling.top_p <= 1:
+            raise RequestRejected("top_p", f"must be in (0, 1], got {sampling.top_p}")
+        if sampling.top_k < 0:
+            raise RequestRejected("top_k", f"must be >= 0, got {sampling.top_k}")
+        if sampling.logprobs < 0:
+            raise RequestRejected("logprobs", f"must be >= 0, got {sampling.logprobs}")
+        bad_stop = next((t for t in request.stop_token_ids if not 0 <= t < info.vocab_size), None)
+        if bad_stop is not None:
+            raise RequestRejected("stop_token_ids", f"token id {bad_stop} is outside the vocabulary")
+
+    @property
+    def max_model_len(self) -> int:
+        limit = self.config.max_model_len
+        return min(limit, self._worker_info.max_model_len) if self._worker_info else limit
+
+    # ---- cache ----------------------------------------------------------------------------------
+
+    def cache_stats(self) -> CacheStats:
+        if self._scheduler is None:
+            raise EngineUnavailable("the engine has not started")
+        return self._scheduler.kv_cache.stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash. Refused (False) while any request holds blocks."""
+        return self._scheduler is not None and self._scheduler.kv_cache.reset_prefix_cache()
+
+    # ---- the step loop --------------------------------------------------------------------------
+
+    def _install_worker(self, info: WorkerInfo) -> None:
+        """Size a fresh KV cache manager (no cached hashes) from the worker's description."""
+        hasher = BlockHasher(self.config.block_size, self.config.hash_algo, info.model_id)
+        kv_cache = KVCacheManager(info.num_kv_blocks, hasher, enable_caching=self.config.enable_prefix_caching)
+        counters = self._scheduler.counters if self._scheduler else None
+        self._scheduler = Scheduler(
+            self.config,
+            kv_cache,
+            info.eos_token_ids,
+            min(self.config.max_model_len, info.max_model_len),
+            counters,
+        )
+        self._worker_info = info
+        self.metrics.bind(self._scheduler)
+
+    async def _step_loop(self) -> None:
+        while True:
+            scheduler = self._scheduler
+            assert scheduler is not None
+            if not scheduler.has_work():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            try:
+                step = scheduler.schedule()
+                output = await self._executor.execute(step)
+                outputs = scheduler.update_from_output(step, output)
+            except WorkerUnavailable as error:
+                await self._recover(error)
+                continue
+            except Exception as error:  # a bug or a worker answer that does not fit the step
+                log.exception("step failed; treating the worker state as lost")
+                await self._recover(error)
+                continue
+            for request_output in outputs:
+                self._deliver(request_output)
+            await asyncio.sleep(0)  # let clients and new requests in, even with an executor that never yields
+
+    def _deliver(self, output: RequestOutput) -> None:
+        self.metrics.output_delivered(output)
+        queue = self._streams.get(output.request_id)
+        if queue is None:
+            return
+        queue.put_nowait(output)
+        if output.finished:
+            self._end_stream(output.request_id)
+
+    def _end_stream(self, request_id: str) -> None:
+        del self._streams[request_id]
+        if not self._streams:
+            self._idle.set()
+
+    async def _recover(self, error: Exception) -> None:
+        """The worker is gone: fail everything in flight, drop the cache, bring a worker back."""
+        log.warning("worker lost (%s); failing %d requests and re-initializing", error, len(self._streams))
+        self._serving = False
+        self.metrics.worker_lost()
+        assert self._scheduler is not None
+        self._scheduler.drop_all()
+        for request_id, queue in list(self._streams.items()):
+            queue.put_nowait(EngineUnavailable(f"the worker was lost: {error}"))
+            self._end_stream(request_id)
+        delay, longest = _RECOVERY_BACKOFF_S
+        while True:
+            try:
+                info = await self._executor.initialize(self.config.block_size)
+                break
+            except WorkerUnavailable as retry_error:
+                log.info("worker not back yet (%s); retrying in %.2fs", retry_error, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, longest)
+        self._install_worker(info)
+        self._serving = not self._stopping
+        log.info("worker re-initialized: %d KV blocks, cache empty", info.num_kv_blocks)

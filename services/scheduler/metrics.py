@@ -1,0 +1,85 @@
+"""Prometheus metrics of the scheduler: prefix-cache effectiveness, block usage, queues.
+
+Everything is read from the scheduler when Prometheus scrapes (a custom collector), so the step loop
+pays nothing per step. Counters come from `SchedulerCounters`, which survive a worker restart; block
+gauges come from the KV cache manager in use. Each `SchedulerMetrics` owns its registry, so several
+engines (tests) never collide; the services engineer serves `metrics.registry` over HTTP.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from prefixcache.services.scheduler.request import RequestOutput
+    from prefixcache.services.scheduler.scheduler import Scheduler
+
+PREFIX = "prefixcache"
+
+
+class SchedulerMetrics(Collector):
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self._scheduler: Scheduler | None = None
+        self._finished: dict[str, int] = {}  # finish reason -> requests
+        self._generation_tokens = 0
+        self._prompt_tokens = 0
+        self._worker_losses = 0
+        self.registry.register(self)
+
+    def bind(self, scheduler: Scheduler) -> None:
+        """Read from this scheduler from now on (a new one is bound after a worker loss)."""
+        self._scheduler = scheduler
+
+    def request_added(self, prompt_tokens: int) -> None:
+        self._prompt_tokens += prompt_tokens
+
+    def output_delivered(self, output: RequestOutput) -> None:
+        self._generation_tokens += len(output.new_token_ids)
+        if output.finish_reason is not None:
+            self._finished[output.finish_reason] = self._finished.get(output.finish_reason, 0) + 1
+
+    def worker_lost(self) -> None:
+        self._worker_losses += 1
+
+    def exposition(self) -> bytes:
+        """The text format, as an HTTP /metrics handler returns it."""
+        return generate_latest(self.registry)
+
+    def collect(self) -> Iterator[Metric]:
+        def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(f"{PREFIX}_{name}", documentation, value=value)
+
+        yield counter("prompt_tokens", "Prompt tokens of admitted requests.", self._prompt_tokens)
+        yield counter("generation_tokens", "Tokens generated.", self._generation_tokens)
+        yield counter("worker_losses", "Times the worker was lost and re-initialized.", self._worker_losses)
+        finished = CounterMetricFamily(
+            f"{PREFIX}_requests_finished", "Requests finished, by finish reason.", labels=["finish_reason"]
+        )
+        for reason, count in sorted(self._finished.items()):
+            finished.add_metric([reason], count)
+        yield finished
+        if self._scheduler is None:
+            return
+        counters = self._scheduler.counters
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", counters.queried_tokens)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", counters.hit_tokens)
+        yield counter("prefix_cache_evictions", "Cached blocks evicted to make room.", counters.evictions)
+        yield counter("preemptions", "Requests preempted (recomputed) for lack of KV blocks.", counters.preemptions)
+        yield counter("steps", "Scheduler steps executed.", counters.steps)
+        stats = self._scheduler.kv_cache.stats()
+        blocks = GaugeMetricFamily(
+            f"{PREFIX}_kv_blocks",
+            "KV blocks by state: used (held by requests), cached (free, still holding reusable KV), free.",
+            labels=["state"],
+        )
+        blocks.add_metric(["used"], stats.used_blocks)
+        blocks.add_metric(["cached"], stats.cached_blocks)
+        blocks.add_metric(["free"], stats.free_blocks)
+        yield blocks
+        yield GaugeMetricFamily(f"{PREFIX}_requests_running", "Requests holding KV blocks.", value=self._scheduler.num_running)
+        yield GaugeMetricFamily(f"{PREFIX}_requests_waiting", "Requests waiting for admission.", value=self._scheduler.num_waiting)

@@ -1,0 +1,300 @@
+"""The scheduling policy: continuous batching with prefix caching, in the style of vLLM v1.
+
+There are no prefill and decode phases. Every step, each running request gets its next tokens (the
+rest of its prompt, a chunk of it, or the one token it sampled last) under a token budget and a cap on
+the number of running requests; then waiting requests are admitted, each looking up the prefix cache
+first so that only its uncached tokens are computed.
+
+When the KV cache has no room for a running request's next tokens, the most recently admitted running
+request is preempted by recompute: its blocks are freed (the full ones stay cached) and it goes back
+to the front of the waiting queue, where its re-admission may hit those same blocks again.
+
+The scheduler is synchronous and knows nothing of transport: `schedule()` builds a diff-based
+`SchedulerStep`, `update_from_output()` applies the worker's `StepOutput` and returns the outputs for
+the clients. `EngineCore` drives it.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from prefixcache.services.common.step import (
+    CachedRequestData,
+    NewRequestData,
+    SchedulerStep,
+    StepOutput,
+)
+from prefixcache.services.scheduler.kv_cache import KVCacheManager
+from prefixcache.services.scheduler.request import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineRequest,
+    Request,
+    RequestOutput,
+    RequestStatus,
+)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    block_size: int = 16
+    hash_algo: str = "sha256"
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 32  # running requests at most
+    max_num_batched_tokens: int = 2048  # tokens computed per step at most (long prompts are chunked)
+    max_waiting: int = 256  # waiting requests at most; beyond, new requests are refused
+    max_model_len: int = 8192
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass
+class SchedulerCounters:
+    """Cumulative counts for metrics; they outlive a Scheduler (handed to the next after a worker loss)."""
+
+    admissions: int = 0  # admissions from the waiting queue, re-admissions after preemption included
+    queried_tokens: int = 0  # prompt tokens looked up in the prefix cache at those admissions
+    hit_tokens: int = 0  # ... and found there
+    evictions: int = 0  # cached blocks whose hash was dropped to make room
+    preemptions: int = 0
+    steps: int = 0
+    scheduled_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        eos_token_ids: tuple[int, ...] = (),
+        max_model_len: int | None = None,
+        counters: SchedulerCounters | None = None,
+    ) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.counters = counters or SchedulerCounters()
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len or config.max_model_len
+        self.requests: dict[str, Request] = {}  # unfinished requests, waiting or running
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last one is preempted first
+        self._dropped_ids: list[str] = []  # the worker must forget these at the next step
+        self._in_flight: dict[str, Request] = {}  # requests of the last step, by id
+        self._next_step_id = 0
+
+    # ---- queues ---------------------------------------------------------------------------------
+
+    def add_request(self, request: EngineRequest) -> Request:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in flight")
+        state = Request.from_engine_request(request)
+        self.requests[state.request_id] = state
+        self.waiting.append(state)
+        return state
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        """Whether `schedule()` would produce a step worth sending."""
+        return bool(self.requests or self._dropped_ids)
+
+    # ---- one step -------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerStep:
+        step = SchedulerStep(step_id=self._next_step_id, finished_request_ids=self._dropped_ids)
+        self._next_step_id += 1
+        self._dropped_ids = []
+        self._in_flight = {}
+        budget = self.config.max_num_batched_tokens
+
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_block_ids = self.kv_cache.allocate_slots(request.kv, num_new)
+            while new_block_ids is None:
+                victim = self.running.pop()
+                self._preempt(victim, step)
+                preempted = True
+                if victim is request:
+                    break
+                new_block_ids = self.kv_cache.allocate_slots(request.kv, num_new)
+            if new_block_ids is None:
+                break  # the request preempted itself; it was the last running one
+            step.cached_requests.append(
+                CachedRequestData(request.request_id, list(new_block_ids), request.num_computed_tokens)
+            )
+            budget -= self._mark_scheduled(request, num_new, step)
+            index += 1
+
+        # Admitting while preempting would only evict what the running requests need next.
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            hit_block_ids, account = self.kv_cache.get_computed_blocks(request.kv)
+            num_hit_tokens = len(hit_block_ids) * self.kv_cache.block_size
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if self.kv_cache.allocate_slots(request.kv, num_new, hit_block_ids) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.kv.num_computed_tokens = num_hit_tokens
+            if request.cache_account is None:
+                request.cache_account = account
+                request.cached_tokens = num_hit_tokens
+            self.counters.admissions += 1
+            self.counters.queried_tokens += account.queried_tokens
+            self.counters.hit_tokens += num_hit_tokens
+            step.new_requests.append(
+                NewRequestData(
+                    request_id=request.request_id,
+                    token_ids=list(request.kv.token_ids),
+                    block_ids=list(self.kv_cache.get_block_ids(request.request_id)),
+                    num_computed_tokens=num_hit_tokens,
+                    sampling=request.sampling,
+                )
+            )
+            request.known_to_worker = True
+            budget -= self._mark_scheduled(request, num_new, step)
+
+        for event in self.kv_cache.drain_events():
+            self.counters.evictions += 1
+            evictor = self.requests.get(event.evictor_request_id)
+            if evictor is not None:
+                evictor.pending_evictions.append(event)
+        self.counters.steps += 1
+        self.counters.scheduled_tokens += step.total_scheduled_tokens
+        return step
+
+    def _mark_scheduled(self, request: Request, num_new: int, step: SchedulerStep) -> int:
+        step.num_scheduled_tokens[request.request_id] = num_new
+        request.kv.num_computed_tokens += num_new
+        self._in_flight[request.request_id] = request
+        return num_new
+
+    def _preempt(self, request: Request, step: SchedulerStep) -> None:
+        self.kv_cache.free(request.request_id)
+        request.kv.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.counters.preemptions += 1
+        self.waiting.appendleft(request)
+        if request.known_to_worker:
+            step.finished_request_ids.append(request.request_id)
+            request.known_to_worker = False
+
+    # ---- the worker's answer --------------------------------------------------------------------
+
+    def update_from_output(self, step: SchedulerStep, output: StepOutput) -> list[RequestOutput]:
+        """Append each sampled token, check stop conditions, finish what is done.
+
+        Requests aborted while the step ran are skipped. Raises ValueError if the worker's answer
+        does not match the step (a token missing or unexpected): the worker and the scheduler no
+        longer agree, and the caller must treat the worker as lost.
+        """
+        if output.step_id != step.step_id:
+            raise ValueError(f"output of step {output.step_id} applied to step {step.step_id}")
+        outputs: list[RequestOutput] = []
+        for request_id, token_id in output.sampled_token_ids.items():
+            if request_id not in step.num_scheduled_tokens:
+                raise ValueError(f"worker sampled for {request_id!r}, which step {step.step_id} did not schedule")
+        for request_id in step.num_scheduled_tokens:
+            request = self._in_flight.get(request_id)
+            if request is None or self.requests.get(request_id) is not request:
+                continue  # aborted (and maybe re-added under the same id) while the step ran
+            samples = request.num_computed_tokens == request.num_tokens
+            token_id = output.sampled_token_ids.get(request_id)
+            if samples != (token_id is not None):
+                raise ValueError(
+                    f"worker {'did not sample' if samples else 'sampled'} for {request_id!r} in step {step.step_id}"
+                )
+            if token_id is None:
+                continue  # mid-way through a chunked prefill
+            request.append_output_token(token_id)
+            finish_reason = self._stop_reason(request, token_id)
+            logprobs = output.logprobs.get(request_id)
+            outputs.append(self._output(request, [token_id], finish_reason, (logprobs,) if logprobs else ()))
+            if finish_reason is not None:
+                self._finish(request)
+        self._in_flight = {}
+        return outputs
+
+    def _stop_reason(self, request: Request, token_id: int) -> str | None:
+        if token_id in request.stop_token_ids or (not request.ignore_eos and token_id in self.eos_token_ids):
+            return FINISH_STOP
+        if len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return FINISH_LENGTH
+        return None
+
+    def _output(
+        self, request: Request, token_ids: list[int], finish_reason: str | None, logprobs: tuple = ()
+    ) -> RequestOutput:
+        finished = finish_reason is not None
+        first = not request.sent_first_output
+        request.sent_first_output = True
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=token_ids,
+            finished=finished,
+            finish_reason=finish_reason,
+            usage=request.usage if finished else None,
+            cache_account=request.cache_account if (first or finished) else None,
+            logprobs=logprobs,
+            evictions=request.take_evictions(),
+            num_preemptions=request.num_preemptions,
+        )
+
+    def _finish(self, request: Request) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.kv_cache.free(request.request_id)
+        else:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        del self.requests[request.request_id]
+        if request.known_to_worker:
+            self._dropped_ids.append(request.request_id)
+            request.known_to_worker = False
+
+    # ---- ending requests from outside -----------------------------------------------------------
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """End a request now and free its blocks. Unknown or finished ids are ignored (returns None)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        output = self._output(request, [], FINISH_ABORT)
+        self._finish(request)
+        return output
+
+    def drop_all(self) -> list[str]:
+        """Forget every request and free every block: the worker is gone, and its state with it.
+        Returns the ids of the requests that were in flight."""
+        request_ids = list(self.requests)
+        for request in self.running:
+            self.kv_cache.free(request.request_id)
+            request.status = RequestStatus.FINISHED
+        for request in self.waiting:
+            request.status = RequestStatus.FINISHED
+        self.requests.clear()
+        self.running.clear()
+        self.waiting.clear()
+        self._dropped_ids = []
+        self._in_flight = {}
+        return request_ids
