@@ -1,0 +1,113 @@
+"""Bootstrap shared by every service: one asyncio gRPC server with health, reflection, tracing, SIGTERM.
+
+A service hands over its servicers plus optional `startup` and `shutdown` hooks. Health reports
+NOT_SERVING until `startup` has finished (the scheduler waits for its worker there), then SERVING.
+SIGTERM or SIGINT flips health to NOT_SERVING, runs `shutdown(grace_s)` (the scheduler stops
+admitting and finishes or aborts in-flight requests there), stops the server with the same grace
+(new calls are refused at once; calls still running after the grace are cancelled) and returns 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from prefixcache.services.common.tracing import ServerTracingInterceptor, configure_tracing, shutdown_tracing
+
+log = logging.getLogger(__name__)
+
+# Prompts of a few thousand tokens and step messages of a large batch stay far below this.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+)
+
+
+@dataclass(frozen=True)
+class Servicer:
+    """One gRPC service: its full proto name and the generated `add_*Servicer_to_server` call."""
+
+    name: str  # e.g. "prefixcache.engine.v1.Engine"
+    add_to_server: Callable[[aio.Server], None]
+
+
+def configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+async def run_server(
+    service_name: str,
+    address: str,
+    servicers: list[Servicer],
+    *,
+    grace_s: float = 10.0,
+    startup: Callable[[], Awaitable[None]] | None = None,
+    shutdown: Callable[[float], Awaitable[None]] | None = None,
+    ready: Callable[[int], None] | None = None,
+) -> int:
+    """Serve until SIGTERM/SIGINT; return the process exit code.
+
+    `ready(port)` is called once the port is bound (port 0 picks a free one).
+    """
+    configure_tracing(service_name)
+    server = aio.server(interceptors=[ServerTracingInterceptor()], options=CHANNEL_OPTIONS)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    for servicer in servicers:
+        servicer.add_to_server(server)
+    names = [s.name for s in servicers]
+    reflection.enable_server_reflection(
+        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
+    )
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as error:
+        log.error("cannot listen on %s: %s", address, error)
+        return 1
+    await _set_health(health, names, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()
+    if ready is not None:
+        ready(port)
+    log.info("%s listening on port %d", service_name, port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+
+    starting = asyncio.ensure_future(startup()) if startup is not None else None
+    if starting is not None:
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not starting.done():
+            starting.cancel()
+        elif starting.exception() is not None:
+            log.error("%s failed to start: %s", service_name, starting.exception())
+            await server.stop(0)
+            return 1
+    if not stop.is_set():
+        await _set_health(health, names, health_pb2.HealthCheckResponse.SERVING)
+        log.info("%s serving", service_name)
+        await stop.wait()
+
+    log.info("%s shutting down (grace %.1f s)", service_name, grace_s)
+    await health.enter_graceful_shutdown()
+    if shutdown is not None:
+        await shutdown(grace_s)
+    await server.stop(grace_s)
+    shutdown_tracing()
+    return 0
+
+
+async def _set_health(health: health_aio.HealthServicer, names: list[str], status: int) -> None:
+    for name in ("", *names):
+        await health.set(name, status)

@@ -1,0 +1,211 @@
+"""OpenTelemetry for every service: configured by the standard OTEL_* variables, W3C context over gRPC.
+
+`configure_tracing(service)` installs an SDK tracer provider only when an exporter is configured:
+`OTEL_TRACES_EXPORTER` (`otlp`, `console`, `none`; comma-separated) or, without it, an OTLP endpoint
+(`OTEL_EXPORTER_OTLP_ENDPOINT` / `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`). Otherwise the API's no-op
+tracer stays in place: spans cost a function call and nothing is exported. The SDK itself reads the
+rest (`OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER`, exporter endpoints).
+
+Context travels in gRPC metadata (`traceparent`, `tracestate`, through the globally configured
+propagator, W3C trace context by default). The server interceptor makes the caller's context current
+for the handler, and opens a server span when tracing is on; the client interceptor injects the
+current context into every outgoing call. A service with tracing off still forwards the context it
+received, so a trace is not cut by one unconfigured hop.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc import aio
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+
+log = logging.getLogger(__name__)
+
+_enabled = False
+
+
+def configure_tracing(service_name: str) -> bool:
+    """Install the exporter the environment asks for; return whether spans are exported."""
+    global _enabled
+    exporters = _configured_exporters()
+    if not exporters:
+        return False
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    # OTEL_SERVICE_NAME, when set, wins over the default name given here.
+    resource = Resource.create({SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME", service_name)})
+    provider = TracerProvider(resource=resource)
+    for exporter in exporters:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    _enabled = True
+    log.info("tracing on for %s", service_name)
+    return True
+
+
+def shutdown_tracing() -> None:
+    """Flush pending spans (at process exit)."""
+    provider = trace.get_tracer_provider()
+    if _enabled and hasattr(provider, "shutdown"):
+        provider.shutdown()
+
+
+def tracing_enabled() -> bool:
+    return _enabled
+
+
+def _configured_exporters() -> list[Any]:
+    names = os.environ.get("OTEL_TRACES_EXPORTER")
+    if names is None:
+        endpoint_set = any(
+            os.environ.get(var) for var in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        )
+        names = "otlp" if endpoint_set else "none"
+    exporters = []
+    for name in (n.strip().lower() for n in names.split(",")):
+        if name in ("", "none"):
+            continue
+        if name == "otlp":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            exporters.append(OTLPSpanExporter())
+        elif name == "console":
+            from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+            exporters.append(ConsoleSpanExporter())
+        else:
+            raise ValueError(f"OTEL_TRACES_EXPORTER: unsupported exporter {name!r} (otlp, console, none)")
+    return exporters
+
+
+def tracer(name: str) -> trace.Tracer:
+    return trace.get_tracer(name)
+
+
+# --- server side -------------------------------------------------------------------------------
+
+
+def _extract(metadata: tuple[tuple[str, str | bytes], ...] | None) -> otel_context.Context:
+    carrier = {key: value for key, value in (metadata or ()) if isinstance(value, str)}
+    return propagate.extract(carrier)
+
+
+class ServerTracingInterceptor(aio.ServerInterceptor):
+    """Runs each handler in the caller's trace context, inside a server span when tracing is on."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        parent = _extract(handler_call_details.invocation_metadata)
+        method = handler_call_details.method.lstrip("/")
+        if handler.response_streaming:
+            behavior = handler.unary_stream or handler.stream_stream
+            wrapped = _wrap_streaming(behavior, parent, method)
+        else:
+            behavior = handler.unary_unary or handler.stream_unary
+            wrapped = _wrap_unary(behavior, parent, method)
+        make = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[(handler.request_streaming, handler.response_streaming)]
+        return make(
+            wrapped,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+def _server_span(method: str) -> Any:
+    return tracer(__name__).start_as_current_span(
+        method, kind=trace.SpanKind.SERVER, attributes={"rpc.system": "grpc", "rpc.method": method}
+    )
+
+
+def _wrap_unary(behavior: Callable, parent: otel_context.Context, method: str) -> Callable:
+    async def handle(request: Any, context: aio.ServicerContext) -> Any:
+        token = otel_context.attach(parent)
+        try:
+            if not _enabled:
+                return await behavior(request, context)
+            with _server_span(method):
+                return await behavior(request, context)
+        finally:
+            otel_context.detach(token)
+
+    return handle
+
+
+def _wrap_streaming(behavior: Callable, parent: otel_context.Context, method: str) -> Callable:
+    if not inspect.isasyncgenfunction(behavior):  # a handler that writes with `context.write`
+        return _wrap_unary(behavior, parent, method)
+
+    async def handle(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
+        token = otel_context.attach(parent)
+        try:
+            if not _enabled:
+                async for response in behavior(request, context):
+                    yield response
+                return
+            with _server_span(method):
+                async for response in behavior(request, context):
+                    yield response
+        finally:
+            otel_context.detach(token)
+
+    return handle
+
+
+# --- client side -------------------------------------------------------------------------------
+
+
+def _with_trace_context(details: aio.ClientCallDetails) -> aio.ClientCallDetails:
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    if not carrier:
+        return details
+    metadata = aio.Metadata(*(tuple(details.metadata or ())))
+    for key, value in carrier.items():
+        metadata[key] = value
+    return aio.ClientCallDetails(
+        details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+    )
+
+
+class _UnaryUnary(aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[override]
+        return await continuation(_with_trace_context(client_call_details), request)
+
+
+class _UnaryStream(aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[override]
+        return await continuation(_with_trace_context(client_call_details), request)
+
+
+class _StreamUnary(aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # type: ignore[override]
+        return await continuation(_with_trace_context(client_call_details), request_iterator)
+
+
+class _StreamStream(aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[override]
+        return await continuation(_with_trace_context(client_call_details), request_iterator)
+
+
+def client_interceptors() -> list[aio.ClientInterceptor]:
+    """Interceptors that put the current trace context on every outgoing call of a channel."""
+    return [_UnaryUnary(), _UnaryStream(), _StreamUnary(), _StreamStream()]
