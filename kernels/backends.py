@@ -1,0 +1,226 @@
+"""Attention backends behind one interface, and the choice between them.
+
+- `torch`: gather + SDPA (`torch_attention`), the serving path on CPU;
+- `triton`: the Triton kernels, the serving path on CUDA;
+- `reference`: the plain-torch references, slow, for tests and debugging.
+
+`get_attention_backend(None | "auto", device)` picks Triton on CUDA and torch elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+import torch
+
+from .metadata import AttentionMetadata
+from .reference import paged_attention_reference, reshape_and_cache_reference
+from .torch_attention import TorchAttentionPlan, attend_torch, write_kv_torch
+
+BACKEND_NAMES = ("auto", "torch", "triton", "reference")
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None: ...
+
+    def attend(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+        key: torch.Tensor,  # this step's keys, [num_tokens, num_kv_heads, head_dim], already written
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...  # [num_tokens, num_q_heads, head_dim]
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        check_kv_shapes(key, value, key_cache, value_cache, meta)
+        write_kv_torch(key, value, key_cache, value_cache, meta.slot_mapping)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        check_query_shape(query, key_cache, meta)
+        block_size = key_cache.shape[1]
+        plan = meta.backend_cache.get((self.name, block_size))
+        if plan is None:
+            plan = meta.backend_cache[(self.name, block_size)] = TorchAttentionPlan.build(meta, block_size)
+        return attend_torch(query, key, value, key_cache, value_cache, plan, scale)
+
+
+class ReferenceAttentionBackend:
+    name = "reference"
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        check_kv_shapes(key, value, key_cache, value_cache, meta)
+        reshape_and_cache_reference(key, value, key_cache, value_cache, meta.slot_mapping)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        check_query_shape(query, key_cache, meta)
+        return paged_attention_reference(
+            query,
+            key_cache,
+            value_cache,
+            meta.query_lens_list,
+            meta.seq_lens_list,
+            meta.block_tables.tolist(),
+            scale,
+        )
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def __init__(self) -> None:
+        # Imported here so that CPU-only processes never decorate the kernels (see `get_attention_backend`).
+        from .triton_paged_attention import paged_attention
+        from .triton_reshape_and_cache import reshape_and_cache
+
+        self._paged_attention = paged_attention
+        self._reshape_and_cache = reshape_and_cache
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        check_kv_shapes(key, value, key_cache, value_cache, meta)
+        self._reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        check_query_shape(query, key_cache, meta)
+        return self._paged_attention(
+            query,
+            key_cache,
+            value_cache,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            meta.max_query_len,
+            scale,
+        )
+
+
+def get_attention_backend(name: str | None = None, device: torch.device | str = "cpu") -> AttentionBackend:
+    """The backend called `name` for tensors on `device`; `None` or "auto" picks Triton on CUDA, else torch."""
+    device = torch.device(device)
+    if name is None or name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "reference":
+        return ReferenceAttentionBackend()
+    if name == "triton":
+        _check_triton_usable(device)
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
+
+
+def triton_interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check_triton_usable(device: torch.device) -> None:
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("attention backend 'triton' was asked for on CUDA, but no CUDA device is available")
+        return
+    if not triton_interpreter_enabled():
+        raise ValueError(
+            f"attention backend 'triton' needs a CUDA device, got {device.type!r}; use 'torch' on CPU "
+            "(or set TRITON_INTERPRET=1 before importing the kernels, for tests: it is very slow)"
+        )
+    from . import triton_paged_attention, triton_reshape_and_cache
+    from triton.runtime.interpreter import InterpretedFunction
+
+    for module, kernel in (
+        (triton_paged_attention, triton_paged_attention._paged_attention_kernel),
+        (triton_reshape_and_cache, triton_reshape_and_cache._reshape_and_cache_kernel),
+    ):
+        if not isinstance(kernel, InterpretedFunction):
+            raise ValueError(
+                f"TRITON_INTERPRET=1 is set, but {module.__name__} was imported before it was: its kernels are "
+                "compiled for a GPU and cannot run on CPU"
+            )
+
+
+def check_kv_shapes(
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata
+) -> None:
+    if key.dim() != 3 or value.shape != key.shape:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must both be [num_tokens, heads, dim]")
+    if key.shape[0] != meta.num_tokens:
+        raise ValueError(f"key has {key.shape[0]} tokens but meta.slot_mapping has {meta.num_tokens}")
+    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape or key_cache.shape[2:] != key.shape[1:]:
+        raise ValueError(
+            f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} must be "
+            f"[num_blocks, block_size, {key.shape[1]}, {key.shape[2]}]"
+        )
+
+
+def check_query_shape(query: torch.Tensor, key_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    if query.dim() != 3 or query.shape[0] != meta.num_tokens or query.shape[2] != key_cache.shape[3]:
+        raise ValueError(
+            f"query {tuple(query.shape)} must be [{meta.num_tokens}, num_q_heads, {key_cache.shape[3]}]"
+        )
+    if query.shape[1] % key_cache.shape[2] != 0:
+        raise ValueError(
+            f"query has {query.shape[1]} heads, not a multiple of the cache's {key_cache.shape[2]} kv heads"
+        )
