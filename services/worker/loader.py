@@ -1,0 +1,119 @@
+"""Load a local Hugging Face Llama-family checkpoint (one or several safetensors files).
+
+Fails before allocating anything when the directory lacks a file, names an architecture we do not
+run, or holds a config we cannot serve; after loading, fails when a weight is missing. Prints a
+progress line while tensors are copied. Never contacts a model hub.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import torch
+from safetensors import safe_open
+
+from prefixcache.services.worker.model_config import ModelConfig
+from prefixcache.services.worker.models.llama import LlamaForCausalLM
+
+SHARD_INDEX = "model.safetensors.index.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    model_id: str  # "<directory name>@sha256:<16 hex>": names the exact weights
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, from its shard index when it has one."""
+    index_path = model_dir / SHARD_INDEX
+    if index_path.is_file():
+        weight_map = json.loads(index_path.read_text()).get("weight_map", {})
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [path.name for path in files if not path.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{model_dir}: {SHARD_INDEX} lists shards that are missing: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        other = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.gguf"))
+        hint = f" (found {', '.join(other)}; convert them to safetensors)" if other else ""
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights{hint}")
+    return files
+
+
+def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu",
+               progress: TextIO | None = sys.stderr) -> LoadedModel:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"model directory {model_dir} does not exist")
+    torch_dtype = parse_dtype(dtype)
+    config = ModelConfig.from_model_dir(model_dir)
+    files = weight_files(model_dir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to_empty(device=device).to(torch_dtype).eval()
+    expected = model.expected_checkpoint_names()
+    loaded: set[str] = set()
+    reporter = _Progress(sum(path.stat().st_size for path in files), progress)
+    for path in files:
+        with safe_open(str(path), framework="pt") as checkpoint:
+            for name in checkpoint.keys():
+                tensor = checkpoint.get_tensor(name)
+                if model.load_weight(name, tensor):
+                    loaded.add(name)
+                reporter.advance(tensor.numel() * tensor.element_size())
+    reporter.finish()
+    missing = sorted(expected - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"{model_dir}: checkpoint lacks {len(missing)} weight(s): {shown}")
+    return LoadedModel(model=model, config=config, model_id=f"{model_dir.name}@sha256:{_digest(files)[:16]}")
+
+
+def _digest(files: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode() + b"\0")
+        with open(path, "rb") as stream:
+            while chunk := stream.read(1 << 24):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+class _Progress:
+    """`loading weights: 42% (215/513 MiB)`: redrawn in place on a terminal, a line per quarter otherwise."""
+
+    def __init__(self, total_bytes: int, stream: TextIO | None) -> None:
+        self.total = max(total_bytes, 1)
+        self.done = 0
+        self.stream = stream
+        self.step = 1 if stream and stream.isatty() else 25  # percent between reports
+        self.next_report = self.step
+
+    def advance(self, num_bytes: int) -> None:
+        self.done = min(self.done + num_bytes, self.total)
+        if self.done * 100 >= self.next_report * self.total:
+            self._report("\r" if self.step == 1 else "\n")
+            self.next_report = self.done * 100 // self.total // self.step * self.step + self.step
+
+    def finish(self) -> None:
+        self.done = self.total  # file sizes include headers, tensor bytes do not
+        self._report("\n")
+
+    def _report(self, end: str) -> None:
+        if self.stream:
+            print(f"loading weights: {self.done * 100 // self.total:3d}% "
+                  f"({self.done / 2**20:.0f}/{self.total / 2**20:.0f} MiB)", end=end, file=self.stream, flush=True)

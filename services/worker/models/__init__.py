@@ -1,0 +1,1 @@
+"""Model definitions that run over the paged KV cache."""

@@ -1,0 +1,172 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) over a paged KV cache.
+
+Tokens of all sequences in a step are packed into one `[num_tokens, hidden]` batch: there is no
+padding and no batch dimension. Each layer writes its new keys and values into the cache slots the
+attention metadata names, then attends over the cache, so a prefix computed by an earlier request
+is read exactly as if this request had computed it.
+
+The QKV and gate/up projections are fused (one matmul each); `load_weight` splits a Hugging Face
+checkpoint's separate tensors into them.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prefixcache.services.worker.model_config import ModelConfig
+from prefixcache.services.worker.models.rotary import RotaryEmbedding
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), each [num_blocks, block_size, Hkv, D]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalised in float32 and scaled in the model dtype, as transformers does.
+        normalized = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return self.weight * normalized
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.output_bias)
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, metadata: Any,
+                backend: Any) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        query, key, value = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        query = query.view(num_tokens, self.num_heads, self.head_dim)
+        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        query, key = self.rotary(positions, query, key)
+        key_cache, value_cache = kv_cache
+        backend.write_kv(key, value, key_cache, value_cache, metadata)
+        attended = backend.attend(query, key, value, key_cache, value_cache, metadata, self.scale)
+        return self.o_proj(attended.reshape(num_tokens, self.q_size))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, metadata: Any,
+                backend: Any) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, metadata, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# Hugging Face projection name → (our fused parameter's module, index of its slice)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_model_len)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], metadata: Any,
+                backend: Any) -> torch.Tensor:
+        """input_ids, positions [T] → final hidden states [T, hidden], after writing the KV of all T tokens."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, kv_cache, metadata, backend)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] → [N, vocab] float32 logits."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def expected_checkpoint_names(self) -> set[str]:
+        """Every Hugging Face tensor name a complete checkpoint must provide."""
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if self.lm_head is not None:
+            names.add("lm_head.weight")
+        per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
+                     "mlp.down_proj.weight"]
+        per_layer += [f"{hf}.weight" for hf in _FUSED]
+        if self.config.qkv_bias:
+            per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+        if self.config.output_bias:
+            per_layer.append("self_attn.o_proj.bias")
+        if self.config.mlp_bias:
+            per_layer += ["mlp.gate_proj.bias", "mlp.up_proj.bias", "mlp.down_proj.bias"]
+        for index in range(self.config.num_layers):
+            names.update(f"model.layers.{index}.{name}" for name in per_layer)
+        return names
+
+    @torch.no_grad()
+    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
+        """Copy one checkpoint tensor into its (possibly fused) parameter; False if the model has no use for it."""
+        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
+            return False  # recomputed, or tied to the embeddings
+        local = name.removeprefix("model.")
+        target, index = local, None
+        for hf_prefix, (fused, slice_index) in _FUSED.items():
+            layer, _, rest = local.partition(f".{hf_prefix}.")
+            if rest:
+                target, index = f"{layer}.{fused}.{rest}", slice_index
+                break
+        try:
+            parameter = self.get_parameter(target)
+        except AttributeError:
+            raise ValueError(f"checkpoint tensor {name} has no place in a {self.config.architecture}") from None
+        if index is not None:
+            parameter = self._fused_slice(target, parameter, index)
+        if parameter.shape != tensor.shape:
+            raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
+                             f"the model expects {tuple(parameter.shape)}")
+        parameter.copy_(tensor)
+        return True
+
+    def _fused_slice(self, target: str, parameter: torch.Tensor, index: int) -> torch.Tensor:
+        if ".qkv_proj." in target:
+            q_size = self.config.num_heads * self.config.head_dim
+            kv_size = self.config.num_kv_heads * self.config.head_dim
+            sizes = [q_size, kv_size, kv_size]
+        else:
+            sizes = [self.config.intermediate_size] * 2
+        return parameter.split(sizes, dim=0)[index]

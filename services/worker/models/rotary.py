@@ -1,0 +1,73 @@
+"""Rotary position embeddings, with the frequency layouts Llama-family checkpoints use.
+
+Cos/sin tables are computed once in float32 for every position up to the context limit, the same
+arithmetic as transformers (so float32 logits agree), and cast to the model's dtype.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from prefixcache.services.worker.model_config import RopeConfig
+
+
+def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """[head_dim / 2] float32 angular speed of each rotated pair."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.kind == "linear":
+        return inv_freq / rope.scaling["factor"]
+    if rope.kind == "llama3":
+        return _llama3_frequencies(inv_freq, rope.scaling)
+    return inv_freq
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict[str, float]) -> torch.Tensor:
+    """Llama 3.1 scaling: slow (long-wavelength) pairs divided by `factor`, fast ones kept, a blend between."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original_context = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelength > original_context / low, inv_freq / factor, inv_freq)
+    blend = (original_context / wavelength - low) / (high - low)
+    blended = (1 - blend) * scaled / factor + blend * scaled
+    in_between = (wavelength >= original_context / high) & (wavelength <= original_context / low)
+    return torch.where(in_between, blended, scaled)
+
+
+class RotaryEmbedding:
+    """Rotates query and key heads by their absolute positions (the "rotate half" layout).
+
+    Holds no parameters: the tables are built on first use on the device and in the dtype of the
+    queries, so constructing a model on the meta device and loading weights later needs no special care.
+    """
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
+        self.rope = rope
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T]; query [T, Hq, D] and key [T, Hkv, D] → the same shapes, rotated."""
+        cos_table, sin_table = self._tables_for(query.device, query.dtype)
+        cos = cos_table[positions].unsqueeze(1)  # [T, 1, D]
+        sin = sin_table[positions].unsqueeze(1)
+        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+    def _tables_for(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (device, dtype)
+        if key not in self._tables:
+            positions = torch.arange(self.max_positions, dtype=torch.float32)
+            angles = torch.outer(positions, inverse_frequencies(self.rope, self.head_dim))
+            angles = torch.cat((angles, angles), dim=-1)  # [max_positions, head_dim]
+            self._tables[key] = (angles.cos().to(device, dtype), angles.sin().to(device, dtype))
+        return self._tables[key]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)

@@ -1,0 +1,89 @@
+"""Pick the next token of each request from its logits.
+
+Greedy when temperature is 0; otherwise temperature, then top-k, then top-p (nucleus) filtering and
+a draw from the request's own generator. A seeded request owns a generator seeded once, so its
+tokens do not depend on what else shares the batch. Logprobs, when asked for, are those of the
+model's raw distribution (before temperature and filtering), as OpenAI-style APIs report them.
+"""
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+import torch
+
+from prefixcache.services.common.step import SamplingParams, TokenLogprobs
+
+MAX_LOGPROBS = 20
+
+
+def validate_sampling(params: SamplingParams) -> None:
+    """Raise ValueError naming the first invalid field."""
+    if not params.temperature >= 0:
+        raise ValueError(f"sampling.temperature must be >= 0, got {params.temperature}")
+    if not 0 < params.top_p <= 1:
+        raise ValueError(f"sampling.top_p must be in (0, 1], got {params.top_p}")
+    if params.top_k < 0:
+        raise ValueError(f"sampling.top_k must be >= 0 (0 disables it), got {params.top_k}")
+    if not 0 <= params.logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"sampling.logprobs must be in [0, {MAX_LOGPROBS}], got {params.logprobs}")
+    if params.seed is not None and not 0 <= params.seed < 2**64:
+        raise ValueError(f"sampling.seed must be in [0, 2**64), got {params.seed}")
+
+
+def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
+    """The request's own random stream: seeded when asked, otherwise from fresh entropy; None if greedy."""
+    if params.temperature == 0:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+    return generator
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprobs: TokenLogprobs | None
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> list[SampledToken]:
+    """logits [N, vocab] float32, one row per request → one token per request."""
+    token_ids = logits.argmax(dim=-1)
+    for row, (request_params, generator) in enumerate(zip(params, generators, strict=True)):
+        if request_params.temperature > 0:
+            token_ids[row] = _draw(logits[row], request_params, generator)
+    chosen = token_ids.tolist()
+    return [
+        SampledToken(token, _logprobs(logits[row], token, request_params.logprobs) if request_params.logprobs else None)
+        for row, (token, request_params) in enumerate(zip(chosen, params))
+    ]
+
+
+def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    scaled = logits / params.temperature
+    if 0 < params.top_k < scaled.shape[-1]:
+        kth_best = scaled.topk(params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth_best, float("-inf"))
+    if params.top_p < 1:
+        scaled = _top_p_filter(scaled, params.top_p)
+    probabilities = scaled.softmax(dim=-1)
+    return torch.multinomial(probabilities, 1, generator=generator)[0]
+
+
+def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of best tokens whose probability reaches top_p (always at least one)."""
+    sorted_logits, order = logits.sort(descending=True)
+    probabilities = sorted_logits.softmax(dim=-1)
+    mass_before = probabilities.cumsum(dim=-1) - probabilities
+    sorted_logits[mass_before >= top_p] = float("-inf")
+    return torch.empty_like(logits).scatter_(0, order, sorted_logits)
+
+
+def _logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    logprobs = logits.log_softmax(dim=-1)
+    best = logprobs.topk(top)
+    return TokenLogprobs(
+        logprob=float(logprobs[token]),
+        top=tuple(zip(best.indices.tolist(), best.values.tolist())),
+    )
