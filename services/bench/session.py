@@ -1,0 +1,166 @@
+"""One benchmark session: for each mode (with the cache, then without), reach an engine, warm it up,
+and run every workload on it with the same requests."""
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+
+from prefixcache.services.bench.driver import TenantSalts, drive
+from prefixcache.services.bench.engine import EngineEndpoint, EngineFacts
+from prefixcache.services.bench.local_platform import LocalPlatform
+from prefixcache.services.bench.metrics import summarize
+from prefixcache.services.bench.report import CACHE, NO_CACHE, ProgressBar, WorkloadResult
+from prefixcache.services.bench.workloads import BenchRequest, WorkloadOptions, generate
+
+# The `serve` flag that turns prefix caching off on the fresh local server of the no-cache mode.
+SERVE_NO_PREFIX_CACHING = "--no-prefix-caching"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    workloads: tuple[str, ...]
+    options: WorkloadOptions
+    concurrency: int = 8
+    target: str | None = None  # None: start a local platform per mode
+    no_cache_target: str | None = None  # an endpoint already serving with prefix caching off
+    compare_no_cache: bool = False
+    auto_thrash_prefixes: bool = True  # size thrash from the engine's KV pool instead of options
+    warmup_requests: int = 2
+    reset_between_workloads: bool | None = None  # None: only on local platforms
+    serve_args: tuple[str, ...] = ()
+    request_timeout_s: float = 600.0
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.warmup_requests < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup_requests}")
+        if self.no_cache_target and not self.compare_no_cache:
+            raise ValueError("no_cache_target is only used with compare_no_cache")
+        if self.compare_no_cache and self.target and not self.no_cache_target:
+            raise ValueError(
+                "compare_no_cache with a target needs no_cache_target (an endpoint with prefix caching off): "
+                "a remote deployment cannot be restarted without its cache"
+            )
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return (CACHE, NO_CACHE) if self.compare_no_cache else (CACHE,)
+
+
+@dataclass
+class BenchOutcome:
+    results: dict[str, WorkloadResult]
+    description: dict[str, object] = field(default_factory=dict)  # the `config` object of the JSON
+
+    @property
+    def failed_requests(self) -> int:
+        return sum(s.failed for r in self.results.values() for s in r.summaries.values())
+
+
+def thrash_prefixes_for(facts: EngineFacts, prefix_len: int) -> int:
+    """Half again as many prefixes as the whole KV pool holds, so a cyclic scan evicts each one
+    before its next visit."""
+    fits = facts.kv_capacity_tokens // prefix_len
+    return max(2, math.ceil(fits * 1.5) + 1)
+
+
+def resolve_options(config: BenchConfig, facts: EngineFacts) -> WorkloadOptions:
+    options = replace(config.options, vocab_size=facts.vocab_size)
+    if config.auto_thrash_prefixes and "thrash" in config.workloads:
+        options = replace(options, thrash_prefixes=thrash_prefixes_for(facts, options.prefix_len))
+    return options
+
+
+def check_fits(requests: dict[str, list[BenchRequest]], facts: EngineFacts) -> None:
+    for name, batch in requests.items():
+        longest = max((len(r.prompt_token_ids) + r.max_tokens for r in batch), default=0)
+        if longest > facts.max_model_len:
+            raise ValueError(
+                f"workload {name}: a prompt plus output of {longest} tokens exceeds the model's "
+                f"max_model_len {facts.max_model_len}; lower --prefix-len, --suffix-len, --turns or --output-len"
+            )
+
+
+@contextlib.asynccontextmanager
+async def _engine_target(config: BenchConfig, mode: str) -> AsyncIterator[tuple[str, bool]]:
+    """(target, whether the benchmark owns it) for `mode`."""
+    if mode == NO_CACHE and config.no_cache_target:
+        yield config.no_cache_target, False
+    elif config.target:
+        yield config.target, False
+    else:
+        extra = (SERVE_NO_PREFIX_CACHING,) if mode == NO_CACHE else ()
+        async with LocalPlatform([*config.serve_args, *extra]) as target:
+            yield target, True
+
+
+async def _warm_up(endpoint: EngineEndpoint, options: WorkloadOptions, count: int) -> None:
+    if count == 0:
+        return
+    warmup = generate("unique", replace(options, num_requests=count, seed=options.seed + 1_000_003, tenants=1))
+    await drive(endpoint, warmup, concurrency=count, salts=TenantSalts(1))
+
+
+async def run_session(config: BenchConfig) -> BenchOutcome:
+    results = {name: WorkloadResult() for name in config.workloads}
+    outcome = BenchOutcome(results)
+    requests: dict[str, list[BenchRequest]] | None = None
+    for mode in config.modes:
+        async with _engine_target(config, mode) as (target, owned):
+            async with EngineEndpoint(target, config.request_timeout_s) as endpoint:
+                facts = await endpoint.describe()
+                expected = mode == CACHE
+                if facts.prefix_caching_enabled != expected:
+                    raise ValueError(
+                        f"the {mode} run needs an engine with prefix caching {'on' if expected else 'off'}, "
+                        f"but {target} has it {'on' if facts.prefix_caching_enabled else 'off'}"
+                    )
+                if requests is None:  # both modes send the very same requests
+                    options = resolve_options(config, facts)
+                    requests = {name: generate(name, options) for name in config.workloads}
+                    check_fits(requests, facts)
+                    outcome.description = _describe(config, options, facts)
+                await _warm_up(endpoint, options, config.warmup_requests)
+                reset = owned if config.reset_between_workloads is None else config.reset_between_workloads
+                for name in config.workloads:
+                    if reset:
+                        await endpoint.reset_prefix_cache()
+                    bar = ProgressBar(f"{name} ({mode})", len(requests[name])) if config.show_progress else None
+                    run = await drive(
+                        endpoint, requests[name], config.concurrency, TenantSalts(options.tenants),
+                        on_done=bar.advance if bar else lambda record: None,
+                    )
+                    if bar:
+                        bar.close()
+                    results[name].summaries[mode] = summarize(run.records, run.evictions)
+                    results[name].records[mode] = run.records
+    return outcome
+
+
+def _describe(config: BenchConfig, options: WorkloadOptions, facts: EngineFacts) -> dict[str, object]:
+    workload_options = {}
+    for option in fields(options):
+        value = getattr(options, option.name)
+        numeric = isinstance(value, (int, float)) and math.isfinite(value)
+        workload_options[option.name] = value if numeric else str(value)  # IntRange as "A:B", rate "inf"
+    return {
+        "workloads": list(config.workloads),
+        "modes": list(config.modes),
+        "target": config.target or "local",
+        "concurrency": config.concurrency,
+        "warmup_requests": config.warmup_requests,
+        "options": workload_options,
+        "engine": asdict(facts),
+    }
+
+
+def parse_workloads(names: Sequence[str], known: Sequence[str]) -> tuple[str, ...]:
+    chosen = [n.strip() for text in names for n in text.split(",") if n.strip()]
+    for name in chosen:
+        if name not in known:
+            raise ValueError(f"--workload must name one of {', '.join(known)}, got {name!r}")
+    return tuple(dict.fromkeys(chosen)) or tuple(known)

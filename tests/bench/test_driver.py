@@ -1,0 +1,173 @@
+"""The driver's own guarantees, observed from the server side of a real gRPC loopback connection.
+
+A real engine cannot show how many streams a client keeps open or in which order a conversation's
+turns arrive, so this in-process Engine records both; the e2e test runs against the real platform.
+"""
+import asyncio
+import json
+import threading
+import time
+from concurrent import futures
+from dataclasses import replace
+
+import grpc
+import pytest
+
+from prefixcache.protos.engine.v1 import engine_pb2, engine_pb2_grpc
+from prefixcache.services.bench.driver import TenantSalts, drive
+from prefixcache.services.bench.engine import EngineEndpoint
+from prefixcache.services.bench.workloads import IntRange, WorkloadOptions, generate
+from prefixcache.services.cli import main as cli
+
+BLOCK = 16
+
+
+class RecordingEngine(engine_pb2_grpc.EngineServicer):
+    """Streams `max_tokens` tokens in two messages; 'caches' full prompt blocks per salt."""
+
+    def __init__(self):
+        self.in_flight = self.most_in_flight = 0
+        self.started, self.finished, self.salts = [], [], []
+        self.cached_blocks = set()
+        self.evictions = 0
+        self.lock = threading.Lock()
+
+    def Generate(self, request, context):
+        if request.request_id.endswith("-bad"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token_ids: out of vocabulary")
+        with self.lock:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            self.started.append(request.request_id)
+            self.salts.append(request.cache_salt)
+        ids = list(request.token_ids.ids)
+        keys = [(request.cache_salt, tuple(ids[: (i + 1) * BLOCK])) for i in range(len(ids) // BLOCK)]
+        hit = 0
+        while hit < len(keys) and keys[hit] in self.cached_blocks and (hit + 1) * BLOCK < len(ids):
+            hit += 1
+        time.sleep(0.01)
+        n = request.sampling.max_tokens
+        yield engine_pb2.GenerateResponse(request_id=request.request_id, token_ids=[5] * (n // 2),
+                                          cache_account=engine_pb2.CacheAccount(miss_reason="full_hit" if hit else "cold"))
+        time.sleep(0.01)
+        with self.lock:
+            self.cached_blocks.update(keys)
+            self.evictions += 1
+            self.in_flight -= 1
+            self.finished.append(request.request_id)
+        yield engine_pb2.GenerateResponse(
+            request_id=request.request_id, token_ids=[6] * (n - n // 2), finish_reason=engine_pb2.FINISH_REASON_LENGTH,
+            usage=engine_pb2.Usage(prompt_tokens=len(ids), cached_tokens=hit * BLOCK, completion_tokens=n),
+            cache_account=engine_pb2.CacheAccount(miss_reason="full_hit" if hit else "cold"))
+
+    def GetCacheStats(self, request, context):
+        return engine_pb2.CacheStats(block_size=BLOCK, evictions=self.evictions, prefix_caching_enabled=True)
+
+    def ResetPrefixCache(self, request, context):
+        self.cached_blocks.clear()
+        return engine_pb2.ResetPrefixCacheResponse(reset=True)
+
+    def Describe(self, request, context):
+        return engine_pb2.EngineDescription(model_id="recording", vocab_size=1000, max_model_len=4096,
+                                            block_size=BLOCK, num_kv_blocks=40, prefix_caching_enabled=True)
+
+
+@pytest.fixture
+def engine_server():
+    """(servicer, target) served on a free loopback port by a threaded gRPC server."""
+    servicer = RecordingEngine()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
+    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield servicer, f"127.0.0.1:{port}"
+    server.stop(0)
+
+
+OPTIONS = WorkloadOptions(num_requests=24, prefix_len=64, suffix_len=IntRange(4, 30), output_len=4,
+                          vocab_size=1000, turns=IntRange(3, 5))
+
+
+async def _drive(target, requests, concurrency, tenants=1):
+    async with EngineEndpoint(target) as endpoint:
+        return await drive(endpoint, requests, concurrency, TenantSalts(tenants))
+
+
+def test_concurrency_bound_and_usage_are_recorded(engine_server):
+    servicer, target = engine_server
+    requests = generate("shared-system-prompt", OPTIONS)
+    result = asyncio.run(_drive(target, requests, concurrency=3))
+    assert servicer.most_in_flight == 3
+    assert [r.request_id for r in result.records] == [r.request_id for r in requests]
+    assert all(r.ok and r.completion_tokens == 4 and len(r.chunks) == 2 for r in result.records)
+    assert result.evictions == 24  # the counter moved once per request between the two GetCacheStats
+    assert sum(r.cached_tokens for r in result.records) > 0
+    assert {r.miss_reason for r in result.records} == {"cold", "full_hit"}
+
+
+def test_conversation_turns_wait_for_their_predecessor(engine_server):
+    servicer, target = engine_server
+    requests = generate("multi-turn", OPTIONS)
+    asyncio.run(_drive(target, requests, concurrency=8))
+    for request in requests:
+        if request.after:
+            assert servicer.finished.index(request.after) < servicer.started.index(request.request_id)
+    assert servicer.most_in_flight > 1  # different conversations overlap
+
+
+def test_tenants_get_distinct_secret_salts(engine_server):
+    servicer, target = engine_server
+    requests = generate("shared-system-prompt", replace(OPTIONS, tenants=3))
+    result = asyncio.run(_drive(target, requests, concurrency=1, tenants=3))
+    assert len(set(servicer.salts)) == 3 and all(len(s) >= 43 for s in servicer.salts)
+    # Three tenants: the first request of each misses the shared prompt, the rest hit it.
+    assert [r.cached_tokens > 0 for r in result.records].count(False) == 3
+    assert "TenantSalts(3 tenants)" == repr(TenantSalts(3))
+
+
+def test_poisson_arrivals_are_respected(engine_server):
+    _, target = engine_server
+    requests = generate("unique", replace(OPTIONS, num_requests=6, request_rate=20.0))
+    result = asyncio.run(_drive(target, requests, concurrency=6))
+    for request, record in zip(requests, result.records):
+        assert record.sent_s >= request.arrival_s - 1e-3
+
+
+def test_failed_requests_are_reported_not_raised(engine_server):
+    _, target = engine_server
+    requests = generate("unique", replace(OPTIONS, num_requests=2))
+    requests[1] = replace(requests[1], request_id="unique-bad")
+    result = asyncio.run(_drive(target, requests, concurrency=2))
+    assert result.records[0].ok
+    assert result.records[1].error == "INVALID_ARGUMENT: token_ids: out of vocabulary"
+
+
+def test_cli_against_a_target_writes_table_json_and_plot(engine_server, tmp_path, capsys):
+    _, target = engine_server
+    out = tmp_path / "bench.json"
+    png = tmp_path / "bench.png"
+    rc = cli.main(["bench", "--target", target, "--workload", "shared-system-prompt,thrash", "--num-requests", "12",
+                   "--prefix-len", "64", "--suffix-len", "4:20", "--output-len", "4", "--json", str(out),
+                   "--plot", str(png), "--no-progress"])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "shared-system-prompt" in table and "TTFT p50 (ms)" in table and "hit rate" in table
+    report = json.loads(out.read_text())
+    assert report["config"]["engine"]["model_id"] == "recording"
+    assert report["config"]["options"]["thrash_prefixes"] == 16  # 40 blocks x 16 = 640 tokens = 10 prefixes; x1.5 + 1
+    mode = report["workloads"]["shared-system-prompt"]["cache"]
+    for key in ("ttft_ms", "itl_ms", "e2e_ms"):
+        assert set(mode[key]) == {"p50", "p90", "p99"}
+    assert mode["prompt_tokens"] > mode["cached_tokens"] > 0
+    assert mode["hit_rate"] == pytest.approx(mode["cached_tokens"] / mode["prompt_tokens"])
+    assert png.stat().st_size > 10_000
+
+
+def test_cli_rejects_bad_input(engine_server, capsys):
+    _, target = engine_server
+    assert cli.main(["bench", "--target", target, "--concurrency", "0", "--no-progress"]) == 2
+    assert "concurrency" in capsys.readouterr().err
+    assert cli.main(["bench", "--target", target, "--compare-no-cache"]) == 2
+    assert "no_cache_target" in capsys.readouterr().err
+    assert cli.main(["bench", "--target", target, "--prefix-len", "5000", "--no-progress", "--warmup", "0"]) == 2
+    assert "max_model_len" in capsys.readouterr().err
