@@ -1,0 +1,83 @@
+"""Writing rendered objects to the cluster with the official client (kopf itself is not a Kubernetes client).
+
+Each object is created, or JSON-merge-patched when it exists: lists (containers, env, ports) are replaced
+whole, so what the renderer dropped disappears. An existing object this PrefixCacheDeployment does not own
+is never touched.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+MERGE_PATCH = "application/merge-patch+json"
+
+
+class NotOwnedError(RuntimeError):
+    """An object with a rendered object's name exists but belongs to someone else."""
+
+
+@dataclass(frozen=True, slots=True)
+class _KindApi:
+    api: type
+    suffix: str  # as in create_namespaced_<suffix>
+
+
+_KINDS = {
+    "ConfigMap": _KindApi(client.CoreV1Api, "config_map"),
+    "Service": _KindApi(client.CoreV1Api, "service"),
+    "Deployment": _KindApi(client.AppsV1Api, "deployment"),
+}
+
+
+def _call(api_client: client.ApiClient, kind: str, verb: str, *args: Any, **kwargs: Any) -> Any:
+    entry = _KINDS[kind]
+    return getattr(entry.api(api_client), f"{verb}_namespaced_{entry.suffix}")(*args, **kwargs)
+
+
+def _read(api_client: client.ApiClient, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+    try:
+        found = _call(api_client, kind, "read", name, namespace, _preload_content=False)
+    except ApiException as error:
+        if error.status == 404:
+            return None
+        raise
+    return json.loads(found.data)  # a plain dict, as the server sent it
+
+
+def apply(api_client: client.ApiClient, objects: Iterable[Mapping[str, Any]], owner_uid: str) -> None:
+    """Create or update every object, in order."""
+    for obj in objects:
+        kind, metadata = obj["kind"], obj["metadata"]
+        name, namespace = metadata["name"], metadata["namespace"]
+        current = _read(api_client, kind, name, namespace)
+        if current is None:
+            _call(api_client, kind, "create", namespace, dict(obj))
+            continue
+        owners = current.get("metadata", {}).get("ownerReferences") or []
+        if not any(ref.get("uid") == owner_uid for ref in owners):
+            raise NotOwnedError(f"{kind} {namespace}/{name} already exists and is not managed by this "
+                                f"PrefixCacheDeployment; rename one of them")
+        _call(api_client, kind, "patch", name, namespace, _merge_patch(current, obj),
+              _content_type=MERGE_PATCH)
+
+
+def _merge_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any]:
+    """`desired` as a merge patch, with explicit nulls for ConfigMap keys it no longer has."""
+    patch = dict(desired)
+    if desired["kind"] == "ConfigMap":
+        stale = set(current.get("data") or {}) - set(desired.get("data") or {})
+        patch["data"] = {**desired.get("data", {}), **dict.fromkeys(stale)}
+    return patch
+
+
+def available_replicas(api_client: client.ApiClient, name: str, namespace: str) -> int | None:
+    """A Deployment's available replicas; None when it does not exist."""
+    deployment = _read(api_client, "Deployment", name, namespace)
+    if deployment is None:
+        return None
+    return int((deployment.get("status") or {}).get("availableReplicas") or 0)

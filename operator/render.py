@@ -1,0 +1,271 @@
+"""Pure rendering: one PrefixCacheDeployment -> the Kubernetes objects that run it.
+
+    Service <name>            :50051 Engine API  ─┐
+    Deployment <name>-engine  (replicas)          │ one pod per replica:
+        scheduler :50051 ── 127.0.0.1:50053 ──► worker (GPU, KV cache)
+             │
+    Service <name>-tokenizer  :50052 ◄── Deployment <name>-tokenizer
+    ConfigMap <name>-env      environment shared by every container (tracing)
+
+A scheduler owns the KV cache of exactly one worker (its block table is that worker's memory), so the two
+share a pod and talk over loopback; scaling adds whole scheduler+worker pairs, each with its own cache.
+The tokenizer is stateless and shared. No function here talks to a cluster; every object carries an
+ownerReference to the PrefixCacheDeployment so deleting it garbage-collects the stack.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from prefixcache.operator.schema import GROUP, KIND, VERSION
+from prefixcache.operator.spec import EMBEDDED, PrefixCacheSpec, Resources
+
+ENGINE_PORT = 50051
+TOKENIZER_PORT = 50052
+WORKER_PORT = 50053
+# The image bakes the embedded model here (`prefixcache model pull` with PREFIXCACHE_HOME=/opt/prefixcache).
+EMBEDDED_MODEL_DIR = "/opt/prefixcache/models/SmolLM2-135M-Instruct"
+MODEL_MOUNT = "/models"
+SALTS_MOUNT = "/etc/prefixcache/tenant-salts"
+SALTS_DIR_ENV = "PREFIXCACHE_TENANT_SALTS_DIR"
+RUN_AS_USER = 10001  # the image's unprivileged user
+CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
+MANAGED_BY = "prefixcache-operator"
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """The PrefixCacheDeployment the objects belong to."""
+
+    name: str
+    namespace: str
+    uid: str
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> Owner:
+        metadata = body["metadata"]
+        return cls(name=metadata["name"], namespace=metadata["namespace"], uid=metadata["uid"])
+
+    @property
+    def reference(self) -> dict[str, Any]:
+        return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": self.name, "uid": self.uid,
+                "controller": True, "blockOwnerDeletion": True}
+
+    @property
+    def engine_service(self) -> str:
+        return self.name
+
+    @property
+    def tokenizer_service(self) -> str:
+        return f"{self.name}-tokenizer"
+
+    @property
+    def engine_deployment(self) -> str:
+        return f"{self.name}-engine"
+
+    @property
+    def tokenizer_deployment(self) -> str:
+        return f"{self.name}-tokenizer"
+
+    @property
+    def config_map(self) -> str:
+        return f"{self.name}-env"
+
+    @property
+    def engine_endpoint(self) -> str:
+        return f"{self.engine_service}.{self.namespace}.svc:{ENGINE_PORT}"
+
+
+def render(owner: Owner, spec: PrefixCacheSpec) -> list[dict[str, Any]]:
+    """All objects of the stack, in apply order (config before the pods that read it)."""
+    env_config = _config_map(owner, spec)
+    config_hash = hashlib.sha256(json.dumps(env_config["data"], sort_keys=True).encode()).hexdigest()
+    return [
+        env_config,
+        _service(owner, "tokenizer", owner.tokenizer_service, TOKENIZER_PORT),
+        _tokenizer_deployment(owner, spec, config_hash),
+        _service(owner, "engine", owner.engine_service, ENGINE_PORT),
+        _engine_deployment(owner, spec, config_hash),
+    ]
+
+
+def selector_labels(owner: Owner, component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "prefixcache", "app.kubernetes.io/instance": owner.name,
+            "app.kubernetes.io/component": component}
+
+
+def _labels(owner: Owner, component: str) -> dict[str, str]:
+    return {**selector_labels(owner, component), "app.kubernetes.io/part-of": "prefixcache",
+            "app.kubernetes.io/managed-by": MANAGED_BY}
+
+
+def _metadata(owner: Owner, name: str, component: str) -> dict[str, Any]:
+    return {"name": name, "namespace": owner.namespace, "labels": _labels(owner, component),
+            "ownerReferences": [owner.reference]}
+
+
+def _config_map(owner: Owner, spec: PrefixCacheSpec) -> dict[str, Any]:
+    """Environment every container shares. Never a secret: tenant salts only ever travel as a Secret volume."""
+    data = {"PREFIXCACHE_MODEL_ID": spec.model.id}
+    if spec.otel_endpoint:
+        data |= {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": spec.otel_endpoint,
+                 "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+    else:
+        data |= {"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none", "OTEL_LOGS_EXPORTER": "none"}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(owner, owner.config_map, "config"),
+            "data": data}
+
+
+def _service(owner: Owner, component: str, name: str, port: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "Service", "metadata": _metadata(owner, name, component),
+        "spec": {"type": "ClusterIP", "selector": selector_labels(owner, component),
+                 "ports": [{"name": "grpc", "port": port, "targetPort": "grpc", "protocol": "TCP",
+                            "appProtocol": "grpc"}]},
+    }
+
+
+def _model_dir(spec: PrefixCacheSpec) -> str:
+    if spec.model.source == EMBEDDED:
+        return EMBEDDED_MODEL_DIR
+    return f"{MODEL_MOUNT}/{spec.model.path}".rstrip("/")
+
+
+def _model_volumes(spec: PrefixCacheSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(pod volumes, container mounts) for the model; the embedded model needs none."""
+    if spec.model.source == EMBEDDED:
+        return [], []
+    volume = {"name": "model",
+              "persistentVolumeClaim": {"claimName": spec.model.claim_name, "readOnly": True}}
+    return [volume], [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}]
+
+
+def _grpc_probes(port: int, startup_seconds: int) -> dict[str, Any]:
+    """gRPC health checking (grpc.health.v1) on the container's own port: startup covers model loading,
+    readiness gates traffic, liveness restarts a hung process."""
+    period = 5
+    return {
+        "startupProbe": {"grpc": {"port": port}, "periodSeconds": period,
+                         "failureThreshold": startup_seconds // period},
+        "readinessProbe": {"grpc": {"port": port}, "periodSeconds": period, "failureThreshold": 2},
+        "livenessProbe": {"grpc": {"port": port}, "periodSeconds": 10, "failureThreshold": 3,
+                          "timeoutSeconds": 5},
+    }
+
+
+def _container(owner: Owner, name: str, spec: PrefixCacheSpec, args: list[str], port: int,
+               startup_seconds: int, resources: Resources) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": name,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "args": args,
+        "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"}],
+        "envFrom": [{"configMapRef": {"name": owner.config_map}}],
+        "env": [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            {"name": "OTEL_SERVICE_NAME", "value": f"prefixcache-{name}"},
+            {"name": "OTEL_RESOURCE_ATTRIBUTES",
+             "value": "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE)"},
+        ],
+        **_grpc_probes(port, startup_seconds),
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+    if resources.requests or resources.limits:
+        container["resources"] = {k: v for k, v in
+                                  (("requests", resources.requests), ("limits", resources.limits)) if v}
+    return container
+
+
+def _pod_spec(containers: list[dict[str, Any]], volumes: list[dict[str, Any]],
+              grace_seconds: int) -> dict[str, Any]:
+    return {
+        "containers": containers,
+        "volumes": [{"name": "tmp", "emptyDir": {}}, *volumes],
+        "terminationGracePeriodSeconds": grace_seconds,
+        "automountServiceAccountToken": False,  # the services never call the Kubernetes API
+        "enableServiceLinks": False,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
+                            "fsGroup": RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}},
+    }
+
+
+def _deployment(owner: Owner, name: str, component: str, replicas: int, pod_spec: dict[str, Any],
+                config_hash: str, strategy: dict[str, Any] | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "replicas": replicas,
+        "selector": {"matchLabels": selector_labels(owner, component)},
+        "template": {
+            "metadata": {"labels": _labels(owner, component),
+                         "annotations": {CONFIG_HASH_ANNOTATION: config_hash}},
+            "spec": pod_spec,
+        },
+    }
+    if strategy:
+        spec["strategy"] = strategy
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _metadata(owner, name, component),
+            "spec": spec}
+
+
+def _tokenizer_deployment(owner: Owner, spec: PrefixCacheSpec, config_hash: str) -> dict[str, Any]:
+    volumes, mounts = _model_volumes(spec)
+    container = _container(owner, "tokenizer", spec, ["tokenizer", "--port", str(TOKENIZER_PORT),
+                                                "--model-dir", _model_dir(spec)],
+                           TOKENIZER_PORT, startup_seconds=120, resources=spec.tokenizer.resources)
+    container["volumeMounts"] += mounts
+    pod = _pod_spec([container], volumes, grace_seconds=30)
+    return _deployment(owner, owner.tokenizer_deployment, "tokenizer", spec.tokenizer.replicas, pod, config_hash)
+
+
+def _scheduler_args(owner: Owner, spec: PrefixCacheSpec) -> list[str]:
+    args = ["scheduler", "--port", str(ENGINE_PORT),
+            "--tokenizer", f"{owner.tokenizer_service}.{owner.namespace}.svc:{TOKENIZER_PORT}",
+            "--worker", f"127.0.0.1:{WORKER_PORT}",
+            "--block-size", str(spec.block_size), "--hash-algo", spec.hash_algorithm,
+            "--max-num-seqs", str(spec.max_num_seqs)]
+    if not spec.enable_prefix_caching:
+        args.append("--no-prefix-caching")
+    return args
+
+
+def _worker_args(spec: PrefixCacheSpec) -> list[str]:
+    args = ["worker", "--port", str(WORKER_PORT), "--model-dir", _model_dir(spec),
+            "--kv-cache-memory", str(spec.kv_cache_memory_bytes)]
+    if spec.worker.dtype != "auto":
+        args += ["--dtype", spec.worker.dtype]
+    if spec.worker.attention_backend != "auto":
+        args += ["--attention-backend", spec.worker.attention_backend]
+    return args
+
+
+def _worker_resources(spec: PrefixCacheSpec) -> Resources:
+    resources = spec.worker.resources
+    if spec.worker.gpus == 0:
+        return resources
+    return Resources(requests=resources.requests,
+                     limits={**resources.limits, spec.worker.gpu_resource: str(spec.worker.gpus)})
+
+
+def _engine_deployment(owner: Owner, spec: PrefixCacheSpec, config_hash: str) -> dict[str, Any]:
+    scheduler = _container(owner, "scheduler", spec, _scheduler_args(owner, spec), ENGINE_PORT, startup_seconds=300,
+                           resources=spec.scheduler_resources)
+    volumes, mounts = _model_volumes(spec)
+    # The worker loads weights and may compile kernels before it reports SERVING: allow ten minutes.
+    worker = _container(owner, "worker", spec, _worker_args(spec), WORKER_PORT, startup_seconds=600,
+                        resources=_worker_resources(spec))
+    worker["volumeMounts"] += mounts
+    if spec.tenant_salts_secret:
+        volumes = [*volumes, {"name": "tenant-salts",
+                              "secret": {"secretName": spec.tenant_salts_secret, "defaultMode": 0o440}}]
+        scheduler["volumeMounts"].append({"name": "tenant-salts", "mountPath": SALTS_MOUNT, "readOnly": True})
+        scheduler["env"].append({"name": SALTS_DIR_ENV, "value": SALTS_MOUNT})
+    pod = _pod_spec([scheduler, worker], volumes, spec.termination_grace_period_seconds)
+    # GPUs are scarce: replace pods one at a time instead of surging onto GPUs that may not exist
+    # (LeaderWorkerSet and Dynamo's Grove path default to the same).
+    strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    return _deployment(owner, owner.engine_deployment, "engine", spec.replicas, pod, config_hash, strategy)

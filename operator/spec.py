@@ -1,0 +1,148 @@
+"""A typed, fully validated view of a PrefixCacheDeployment `.spec`.
+
+`parse_spec` is the only way in: it applies the CRD's defaults and schema (`schema.py`), then the rules the
+CRD states as CEL (`x-kubernetes-validations`, with the same messages) and those no schema can state
+(a quantity that is a whole number of bytes). Everything downstream trusts a `PrefixCacheSpec`.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from decimal import InvalidOperation
+from typing import Any
+
+from kubernetes.utils.quantity import parse_quantity
+
+from prefixcache.operator.schema import SpecError, defaulted_spec
+
+EMBEDDED = "Embedded"
+PERSISTENT_VOLUME_CLAIM = "PersistentVolumeClaim"
+_PARENT_SEGMENT = re.compile(r"(^|/)[.][.](/|$)")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    source: str  # Embedded | PersistentVolumeClaim
+    id: str
+    claim_name: str | None = None
+    path: str = ""  # model directory inside the claim, relative
+
+
+@dataclass(frozen=True, slots=True)
+class Resources:
+    requests: dict[str, str] = field(default_factory=dict)  # resource name -> quantity
+    limits: dict[str, str] = field(default_factory=dict)  # resource name -> quantity
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    gpus: int
+    gpu_resource: str
+    dtype: str  # "auto" leaves the choice to the worker
+    attention_backend: str  # "auto" leaves the choice to the worker
+    resources: Resources
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerSpec:
+    replicas: int
+    resources: Resources
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheSpec:
+    image: str
+    image_pull_policy: str
+    replicas: int
+    model: ModelSpec
+    block_size: int
+    hash_algorithm: str
+    enable_prefix_caching: bool
+    max_num_seqs: int
+    kv_cache_memory_bytes: int
+    worker: WorkerSpec
+    scheduler_resources: Resources
+    tokenizer: TokenizerSpec
+    termination_grace_period_seconds: int
+    tenant_salts_secret: str | None = None  # the Secret's name; the operator never reads its data
+    otel_endpoint: str | None = None
+
+
+def parse_spec(raw_spec: Mapping[str, Any] | None) -> PrefixCacheSpec:
+    """Default and validate a raw `.spec` (as stored in the cluster); raises SpecError naming each field."""
+    spec = defaulted_spec(raw_spec)
+    problems = _model_problems(spec["model"])
+    kv_bytes, kv_problem = _whole_bytes(spec["kvCacheMemory"])
+    if kv_problem:
+        problems.append(f"spec.kvCacheMemory: {kv_problem}")
+    for section in ("worker", "scheduler", "tokenizer"):
+        problems += _resource_problems(spec[section]["resources"], f"spec.{section}.resources")
+    if problems:
+        raise SpecError(problems)
+
+    model = spec["model"]
+    worker = spec["worker"]
+    return PrefixCacheSpec(
+        image=spec["image"],
+        image_pull_policy=spec["imagePullPolicy"],
+        replicas=spec["replicas"],
+        model=ModelSpec(source=model["source"], id=model["id"], claim_name=model.get("claimName"),
+                        path=model["path"].rstrip("/")),
+        block_size=spec["blockSize"],
+        hash_algorithm=spec["hashAlgorithm"],
+        enable_prefix_caching=spec["enablePrefixCaching"],
+        max_num_seqs=spec["maxNumSeqs"],
+        kv_cache_memory_bytes=kv_bytes,
+        worker=WorkerSpec(gpus=worker["gpus"], gpu_resource=worker["gpuResource"], dtype=worker["dtype"],
+                          attention_backend=worker["attentionBackend"],
+                          resources=_resources(worker["resources"])),
+        scheduler_resources=_resources(spec["scheduler"]["resources"]),
+        tokenizer=TokenizerSpec(replicas=spec["tokenizer"]["replicas"],
+                                resources=_resources(spec["tokenizer"]["resources"])),
+        termination_grace_period_seconds=spec["terminationGracePeriodSeconds"],
+        tenant_salts_secret=(spec.get("tenantSalts") or {}).get("secretName"),
+        otel_endpoint=(spec.get("otel") or {}).get("endpoint"),
+    )
+
+
+def _model_problems(model: Mapping[str, Any]) -> list[str]:
+    """The CRD's CEL rules on `spec.model`, word for word."""
+    problems = []
+    from_claim = model["source"] == PERSISTENT_VOLUME_CLAIM
+    if from_claim and "claimName" not in model:
+        problems.append("spec.model: model.claimName is required when model.source is PersistentVolumeClaim")
+    if not from_claim and "claimName" in model:
+        problems.append(
+            "spec.model: model.claimName is only allowed when model.source is PersistentVolumeClaim")
+    path = model["path"]
+    if path.startswith("/") or _PARENT_SEGMENT.search(path):
+        problems.append("spec.model.path: model.path must be relative to the claim and must not contain '..'")
+    return problems
+
+
+def _whole_bytes(quantity: int | str) -> tuple[int, str | None]:
+    try:
+        value = parse_quantity(quantity)
+    except (ValueError, InvalidOperation):
+        return 0, f"{quantity!r} is not a quantity"
+    if value <= 0 or value != value.to_integral_value():
+        return 0, f"{quantity!r} must be a positive whole number of bytes"
+    return int(value), None
+
+
+def _resource_problems(resources: Mapping[str, Any], prefix: str) -> list[str]:
+    problems = []
+    for kind in ("requests", "limits"):
+        for name, quantity in resources.get(kind, {}).items():
+            try:
+                if parse_quantity(quantity) < 0:
+                    problems.append(f"{prefix}.{kind}.{name}: must not be negative")
+            except (ValueError, InvalidOperation):
+                problems.append(f"{prefix}.{kind}.{name}: {quantity!r} is not a quantity")
+    return problems
+
+
+def _resources(raw: Mapping[str, Any]) -> Resources:
+    return Resources(requests={k: str(v) for k, v in raw.get("requests", {}).items()},
+                     limits={k: str(v) for k, v in raw.get("limits", {}).items()})
