@@ -6,8 +6,8 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from prefixcache.services.bench.engine import EngineEndpoint
 from prefixcache.services.bench.metrics import RequestRecord
 from prefixcache.services.bench.workloads import BenchRequest
 
@@ -29,6 +29,16 @@ class TenantSalts:
         return f"TenantSalts({len(self._salts)} tenants)"
 
 
+class StreamingEndpoint(Protocol):
+    """What the driver needs from a server: `EngineEndpoint`, or a baseline's adapter in benchmarks/."""
+
+    async def stream(self, request: BenchRequest, salt: str, clock: Callable[[], float]) -> RequestRecord:
+        """Send one request and record its stream; failures go into the record, not raised."""
+
+    async def evictions(self) -> int:
+        """The server's cumulative count of evicted cached blocks (0 where it keeps none)."""
+
+
 @dataclass(frozen=True, slots=True)
 class DriveResult:
     records: list[RequestRecord]
@@ -36,7 +46,7 @@ class DriveResult:
 
 
 async def drive(
-    endpoint: EngineEndpoint,
+    endpoint: StreamingEndpoint,
     requests: Sequence[BenchRequest],
     concurrency: int,
     salts: TenantSalts,
