@@ -1,0 +1,350 @@
+"""The public Engine gRPC API over EngineCore.
+
+Per Generate call: validate what only the API knows (prompt kind, LoRA, multimodal items, stop
+strings), tokenize text or chat through the tokenizer service, admit the request to EngineCore,
+then stream each output's token ids with their text (detokenized incrementally by the tokenizer
+service), watching for stop strings. Client cancellation and deadlines abort the request in the
+engine, which frees its blocks at once.
+
+Each request gets one span carrying the gen_ai and prefix_cache attributes; never the prompt text,
+never the cache salt or tenant.
+"""
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from grpc import aio
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+
+from prefixcache.protos.engine.v1 import engine_pb2 as pb
+from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
+from prefixcache.services.common.block_identity import BlockExtras
+from prefixcache.services.common.step import SamplingParams
+from prefixcache.services.scheduler.engine_core import (
+    EngineCore,
+    EngineRequest,
+    EngineUnavailable,
+    QueueFull,
+    RequestOutput,
+    RequestRejected,
+)
+from prefixcache.services.scheduler.tenancy import TenantSalts
+from prefixcache.services.scheduler.tokenizer_client import StreamingDetokenizer, TokenizerClient
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Engine"].full_name
+FINISH_REASONS = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+# EngineCore's field names → the public API's.
+PUBLIC_FIELDS = {
+    "max_tokens": "sampling.max_tokens",
+    "temperature": "sampling.temperature",
+    "top_p": "sampling.top_p",
+    "top_k": "sampling.top_k",
+    "stop_token_ids": "sampling.stop_token_ids",
+}
+_tracer = trace.get_tracer(__name__)
+
+
+class InvalidRequest(ValueError):
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """What the servicer reports and checks beyond EngineCore's own configuration."""
+
+    lora_adapters: tuple[str, ...] = ()  # the base model only, for now
+    multimodal: bool = False
+
+
+class EngineServicer(pb_grpc.EngineServicer):
+    def __init__(
+        self,
+        engine: EngineCore,
+        tokenizer: TokenizerClient,
+        tenants: TenantSalts | None = None,
+        options: EngineOptions = EngineOptions(),
+    ):
+        self._engine = engine
+        self._tokenizer = tokenizer
+        self._tenants = tenants or TenantSalts()
+        self._options = options
+
+    # ---- Generate -------------------------------------------------------------------------------
+
+    async def Generate(self, request: pb.GenerateRequest, context: aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        request_id = request.request_id or uuid.uuid4().hex
+        with _tracer.start_as_current_span("generate", attributes=self._request_attributes(request_id, request)) as span:
+            try:
+                prompt_ids = await self._prompt_ids(request)
+                engine_request = self._engine_request(request_id, request, prompt_ids)
+                outputs = self._engine.add_request(engine_request)
+            except InvalidRequest as error:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            except RequestRejected as error:
+                field = PUBLIC_FIELDS.get(error.field, request.WhichOneof("prompt") or error.field)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {error.message}")
+            except QueueFull as error:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+            except EngineUnavailable as error:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+            except grpc.RpcError as error:  # from the tokenizer service
+                await context.abort(_tokenizer_status(error), f"tokenizer: {_details(error)}")
+            span.set_attribute("gen_ai.usage.input_tokens", len(prompt_ids))
+
+            stream = _Stream(request_id, self._engine, self._tokenizer.detokenizer(prompt_ids), list(request.sampling.stop))
+            try:
+                async for response in stream.responses(outputs):
+                    yield response
+            except EngineUnavailable as error:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+            except grpc.RpcError as error:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"tokenizer: {_details(error)}")
+            finally:
+                if not stream.finished:  # cancelled by the client, deadline, or an error above
+                    self._engine.abort(request_id)
+                await stream.close()
+                stream.annotate(span)
+
+    async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+        if request.lora_adapter and request.lora_adapter not in self._options.lora_adapters:
+            available = ", ".join(self._options.lora_adapters) or "none"
+            raise InvalidRequest("lora_adapter", f"unknown adapter {request.lora_adapter!r} (available: {available})")
+        if request.multimodal_items and not self._options.multimodal:
+            raise InvalidRequest("multimodal_items", "the model is text-only")
+        for index, stop in enumerate(request.sampling.stop):
+            if not stop:
+                raise InvalidRequest(f"sampling.stop[{index}]", "must not be empty")
+        if request.HasField("cache_salt") and not request.cache_salt:
+            raise InvalidRequest("cache_salt", "must not be empty when set")
+        kind = request.WhichOneof("prompt")
+        if kind == "token_ids":
+            return list(request.token_ids.ids)
+        if kind == "text":
+            if not request.text:
+                raise InvalidRequest("text", "the prompt is empty")
+            return await self._tokenizer.tokenize_text(request.text)
+        if kind == "chat":
+            return await self._tokenizer.tokenize_chat(request.chat)
+        raise InvalidRequest("prompt", "set one of text, token_ids or chat")
+
+    def _engine_request(self, request_id: str, request: pb.GenerateRequest, prompt_ids: list[int]) -> EngineRequest:
+        options = request.sampling
+        sampling = SamplingParams(
+            temperature=options.temperature if options.HasField("temperature") else 1.0,
+            top_p=options.top_p if options.HasField("top_p") else 1.0,
+            top_k=options.top_k,
+            seed=options.seed if options.HasField("seed") else None,
+        )
+        if options.HasField("max_tokens"):
+            max_tokens = options.max_tokens
+        else:  # as many as fit in both the model's length and the KV cache
+            max_tokens = max(1, self._capacity_tokens() - len(prompt_ids))
+        salt = None
+        if request.HasField("cache_salt"):
+            salt = request.cache_salt
+        elif request.HasField("tenant"):
+            salt = self._tenants.salt_for(request.tenant)
+        return EngineRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling=sampling,
+            max_tokens=max_tokens,
+            stop_token_ids=tuple(options.stop_token_ids),
+            ignore_eos=options.ignore_eos,
+            extras=BlockExtras(lora_name=request.lora_adapter or None, cache_salt=salt),
+            trace_context=otel_context.get_current(),
+        )
+
+    def _capacity_tokens(self) -> int:
+        info = self._engine.worker_info
+        if info is None:
+            return self._engine.max_model_len
+        return min(self._engine.max_model_len, info.num_kv_blocks * self._engine.config.block_size)
+
+    def _request_attributes(self, request_id: str, request: pb.GenerateRequest) -> dict[str, object]:
+        config = self._engine.config
+        info = self._engine.worker_info
+        attributes: dict[str, object] = {
+            "gen_ai.operation.name": "chat" if request.WhichOneof("prompt") == "chat" else "text_completion",
+            "gen_ai.request.id": request_id,
+            "prefix_cache.block_size": config.block_size,
+            "prefix_cache.hash_algo": config.hash_algo,
+            "prefix_cache.enabled": config.enable_prefix_caching,
+        }
+        if info is not None:
+            attributes["gen_ai.request.model"] = info.model_id
+        sampling = request.sampling
+        if sampling.HasField("max_tokens"):
+            attributes["gen_ai.request.max_tokens"] = sampling.max_tokens
+        if sampling.HasField("temperature"):
+            attributes["gen_ai.request.temperature"] = sampling.temperature
+        if sampling.HasField("top_p"):
+            attributes["gen_ai.request.top_p"] = sampling.top_p
+        return attributes
+
+    # ---- cache and description ------------------------------------------------------------------
+
+    async def GetCacheStats(self, request: pb.GetCacheStatsRequest, context: aio.ServicerContext) -> pb.CacheStats:
+        try:
+            stats = self._engine.cache_stats()
+        except EngineUnavailable as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        config = self._engine.config
+        return pb.CacheStats(
+            block_size=config.block_size,
+            hash_algo=config.hash_algo,
+            prefix_caching_enabled=config.enable_prefix_caching,
+            num_blocks=stats.num_blocks,
+            free_blocks=stats.free_blocks,
+            used_blocks=stats.used_blocks,
+            cached_blocks=stats.cached_blocks,
+            query_tokens=stats.queried_tokens,
+            hit_tokens=stats.hit_tokens,
+            evictions=stats.evictions,
+            running_requests=self._engine.num_running,
+            waiting_requests=self._engine.num_waiting,
+        )
+
+    async def ResetPrefixCache(
+        self, request: pb.ResetPrefixCacheRequest, context: aio.ServicerContext
+    ) -> pb.ResetPrefixCacheResponse:
+        return pb.ResetPrefixCacheResponse(reset=self._engine.reset_prefix_cache())
+
+    async def Describe(self, request: pb.DescribeRequest, context: aio.ServicerContext) -> pb.EngineDescription:
+        info = self._engine.worker_info
+        if info is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is not available")
+        config = self._engine.config
+        return pb.EngineDescription(
+            model_id=info.model_id,
+            dtype=info.dtype,
+            vocab_size=info.vocab_size,
+            max_model_len=self._engine.max_model_len,
+            block_size=config.block_size,
+            hash_algo=config.hash_algo,
+            prefix_caching_enabled=config.enable_prefix_caching,
+            num_kv_blocks=info.num_kv_blocks,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            lora_adapters=self._options.lora_adapters,
+            multimodal=self._options.multimodal,
+        )
+
+
+class _Stream:
+    """Turns one request's engine outputs into responses: text, stop strings, the final summary."""
+
+    def __init__(self, request_id: str, engine: EngineCore, detokenizer: StreamingDetokenizer, stops: list[str]):
+        self._request_id = request_id
+        self._engine = engine
+        self._detokenizer = detokenizer
+        self._stops = stops
+        # Text that could still be the start of a stop string is held back until it cannot.
+        self._hold = max((len(s) for s in stops), default=1) - 1
+        self._text = ""
+        self._emitted = 0  # characters of _text already sent
+        self._stopped_by_string = False
+        self.finished = False
+        self.last: RequestOutput | None = None
+        self.account = None
+        self.evictions: list = []
+
+    async def responses(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[pb.GenerateResponse]:
+        async for output in outputs:
+            self.last = output
+            self.evictions.extend(output.evictions)
+            if output.cache_account is not None:
+                self.account = output.cache_account
+            text = ""
+            if not self._stopped_by_string:
+                text = self._take_text(await self._detokenizer.push(output.new_token_ids), output.finished)
+            if output.finished:
+                self.finished = True
+                reason = "stop" if self._stopped_by_string else output.finish_reason
+                yield self._response(output, text, reason)
+                return
+            if output.new_token_ids or text or output.cache_account is not None:
+                yield self._response(output, text, None)
+
+    def _take_text(self, piece: str, final: bool) -> str:
+        self._text += piece
+        if self._stops:
+            start = max(0, self._emitted - self._hold)
+            hits = [i for i in (self._text.find(s, start) for s in self._stops) if i >= 0]
+            if hits:
+                self._text = self._text[: min(hits)]
+                self._stopped_by_string = True
+                self._engine.abort(self._request_id)  # its final output follows with the usage
+                final = True
+        end = len(self._text) if final else len(self._text) - self._hold
+        if end <= self._emitted:
+            return ""
+        text = self._text[self._emitted : end]
+        self._emitted = end
+        return text
+
+    def _response(self, output: RequestOutput, text: str, reason: str | None) -> pb.GenerateResponse:
+        response = pb.GenerateResponse(request_id=self._request_id, token_ids=output.new_token_ids, text=text)
+        if output.cache_account is not None:
+            response.cache_account.CopyFrom(account_to_proto(output.cache_account))
+        if reason is not None:
+            response.finish_reason = FINISH_REASONS[reason]
+        if output.usage is not None:
+            response.usage.CopyFrom(
+                pb.Usage(
+                    prompt_tokens=output.usage.prompt_tokens,
+                    cached_tokens=output.usage.cached_tokens,
+                    completion_tokens=output.usage.completion_tokens,
+                )
+            )
+        return response
+
+    async def close(self) -> None:
+        await self._detokenizer.close()
+
+    def annotate(self, span: trace.Span) -> None:
+        """Usage, cache account and evictions on the request's span (hashes only, never text)."""
+        if self.last is not None and self.last.usage is not None:
+            usage = self.last.usage
+            span.set_attribute("gen_ai.usage.output_tokens", usage.completion_tokens)
+            span.set_attribute("gen_ai.usage.cache_read.input_tokens", usage.cached_tokens)
+        if self.last is not None and self.last.finish_reason is not None:
+            reason = "stop" if self._stopped_by_string else self.last.finish_reason
+            span.set_attribute("gen_ai.response.finish_reasons", [reason])
+        if self.account is not None:
+            span.set_attribute("prefix_cache.blocks_queried", self.account.queried_blocks)
+            span.set_attribute("prefix_cache.blocks_matched", self.account.hit_blocks)
+            span.set_attribute("prefix_cache.miss_reason", self.account.stop_reason)
+        for event in self.evictions:
+            span.add_event("prefix_cache.eviction", {"prefix_cache.block_hash": event.block_hash.hex()})
+
+
+def account_to_proto(account) -> pb.CacheAccount:
+    return pb.CacheAccount(
+        queried_tokens=account.queried_tokens,
+        hit_tokens=account.hit_tokens,
+        capped_tokens=account.capped_tokens,
+        partial_tail_tokens=account.partial_tail_tokens,
+        miss_reason=account.stop_reason,
+        queried_blocks=account.queried_blocks,
+        hit_blocks=account.hit_blocks,
+    )
+
+
+def _details(error: grpc.RpcError) -> str:
+    return error.details() if isinstance(error, grpc.Call) else str(error)
+
+
+def _tokenizer_status(error: grpc.RpcError) -> grpc.StatusCode:
+    """Bad input stays the client's fault; anything else means the tokenizer could not serve."""
+    code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
+    return code if code == grpc.StatusCode.INVALID_ARGUMENT else grpc.StatusCode.UNAVAILABLE

@@ -1,0 +1,101 @@
+"""The scheduler service: the public Engine API, with the KV cache manager, over a remote worker.
+
+`prefixcache scheduler --port 50051 --tokenizer HOST:PORT --worker HOST:PORT [--block-size 16]
+[--hash-algo sha256] [--no-prefix-caching] [--max-num-seqs 32] ...`. Health says SERVING once the
+worker has initialized its KV cache for our block size (the worker may start later: we keep trying).
+On SIGTERM, new requests are refused while in-flight ones get the grace period to finish.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
+from prefixcache.services.common.grpc_server import Servicer, configure_logging, run_server
+from prefixcache.services.scheduler.engine_core import EngineCore, SchedulerConfig, WorkerUnavailable
+from prefixcache.services.scheduler.engine_service import SERVICE_NAME, EngineServicer
+from prefixcache.services.scheduler.tokenizer_client import TokenizerClient
+from prefixcache.services.scheduler.worker_client import GrpcStepExecutor
+
+log = logging.getLogger(__name__)
+STARTUP_RETRY_S = 0.5
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = SchedulerConfig()
+    parser.add_argument("--port", type=int, default=50051, help="Engine API port")
+    parser.add_argument("--host", default="[::]", help="address to bind (default: all interfaces)")
+    parser.add_argument("--tokenizer", required=True, metavar="HOST:PORT", help="tokenizer service")
+    parser.add_argument("--worker", required=True, metavar="HOST:PORT", help="worker service")
+    parser.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV block")
+    parser.add_argument("--hash-algo", default=defaults.hash_algo, help="block hash algorithm (sha256, xxhash, ...)")
+    parser.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="requests per step at most")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens, help="token budget per step"
+    )
+    parser.add_argument("--max-waiting", type=int, default=defaults.max_waiting, help="waiting requests at most")
+    parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len, help="prompt + output at most")
+    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    parser.add_argument("--grace", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(
+        block_size=args.block_size,
+        hash_algo=args.hash_algo,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_waiting=args.max_waiting,
+        max_model_len=args.max_model_len,
+    )
+
+
+async def serve(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ValueError as error:
+        log.error("%s", error)
+        return 2
+    executor = GrpcStepExecutor(args.worker)
+    tokenizer = TokenizerClient(args.tokenizer)
+    engine = EngineCore(config, executor)
+    servicer = EngineServicer(engine, tokenizer)
+
+    async def start_engine() -> None:
+        while True:
+            try:
+                await engine.start()
+                break
+            except WorkerUnavailable as error:
+                log.info("waiting for the worker: %s", error)
+                await asyncio.sleep(STARTUP_RETRY_S)
+        info = engine.worker_info
+        log.info("engine ready: %s, %d KV blocks of %d tokens", info.model_id, info.num_kv_blocks, config.block_size)
+        if args.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            start_http_server(args.metrics_port, registry=engine.metrics.registry)
+
+    async def stop_engine(grace_s: float) -> None:
+        await engine.shutdown(grace_s)
+        await tokenizer.close()
+        await executor.close()
+
+    registration = Servicer(SERVICE_NAME, lambda server: pb_grpc.add_EngineServicer_to_server(servicer, server))
+    return await run_server(
+        "prefixcache-scheduler",
+        f"{args.host}:{args.port}",
+        [registration],
+        grace_s=args.grace,
+        startup=start_engine,
+        shutdown=stop_engine,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level)
+    return asyncio.run(serve(args))

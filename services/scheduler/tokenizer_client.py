@@ -1,0 +1,65 @@
+"""The scheduler's view of the tokenizer service: prompts to ids, and per-request streaming text."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from grpc import aio
+
+from prefixcache.protos.common.v1 import chat_pb2
+from prefixcache.protos.tokenizer.v1 import tokenizer_pb2 as pb
+from prefixcache.protos.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
+from prefixcache.services.common.grpc_client import open_channel
+
+# Prompt ids sent as decoding context with a stream's first message (leading spaces depend on them).
+DETOKENIZE_CONTEXT_IDS = 8
+
+
+class TokenizerClient:
+    """Calls raise `grpc.RpcError` unchanged: the servicer passes the tokenizer's status on."""
+
+    def __init__(self, target: str, timeout_s: float = 30.0):
+        self.target = target
+        self._channel = open_channel(target)
+        self._stub = pb_grpc.TokenizerStub(self._channel)
+        self._timeout_s = timeout_s
+
+    async def tokenize_text(self, text: str) -> list[int]:
+        reply = await self._stub.Tokenize(pb.TokenizeRequest(text=text), timeout=self._timeout_s)
+        return list(reply.token_ids)
+
+    async def tokenize_chat(self, chat: chat_pb2.ChatConversation) -> list[int]:
+        reply = await self._stub.Tokenize(pb.TokenizeRequest(chat=chat), timeout=self._timeout_s)
+        return list(reply.token_ids)
+
+    def detokenizer(self, prompt_ids: Sequence[int]) -> StreamingDetokenizer:
+        return StreamingDetokenizer(self._stub, list(prompt_ids[-DETOKENIZE_CONTEXT_IDS:]))
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class StreamingDetokenizer:
+    """One DetokenizeStream call per generation: push the new ids of each output, get their text."""
+
+    def __init__(self, stub: pb_grpc.TokenizerStub, prompt_context: list[int]):
+        self._stub = stub
+        self._context = prompt_context
+        self._call: aio.StreamStreamCall | None = None
+
+    async def push(self, token_ids: Sequence[int]) -> str:
+        if self._call is None:
+            self._call = self._stub.DetokenizeStream()
+            first = pb.DetokenizeStreamRequest(
+                token_ids=token_ids, prefix_token_ids=self._context, skip_special_tokens=True
+            )
+            await self._call.write(first)
+        else:
+            await self._call.write(pb.DetokenizeStreamRequest(token_ids=token_ids))
+        reply = await self._call.read()
+        return reply.text
+
+    async def close(self) -> None:
+        """End the stream; the tokenizer's stream state goes with it."""
+        call, self._call = self._call, None
+        if call is not None and not call.done():
+            call.cancel()

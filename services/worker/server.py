@@ -1,0 +1,145 @@
+"""The worker service: hosts one ModelRunner and its paged KV cache behind the Worker gRPC API.
+
+`prefixcache worker --port 50052 [--model-dir DIR] [--dtype float32] [--kv-cache-memory 1GiB]
+[--attention-backend torch]`. The model loads after the port is bound; health says SERVING once it
+has. Steps run one at a time on a worker thread so health checks keep answering during a forward.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import grpc
+from grpc import aio
+
+from prefixcache.protos.worker.v1 import worker_pb2 as pb
+from prefixcache.protos.worker.v1 import worker_pb2_grpc as pb_grpc
+from prefixcache.services.common.grpc_server import Servicer, configure_logging, run_server
+from prefixcache.services.common.step_codec import output_to_proto, step_from_proto
+
+if TYPE_CHECKING:
+    from prefixcache.services.worker.model_runner import ModelDescription, ModelRunner
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Worker"].full_name
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """'512MiB', '2GB', '1073741824' → bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]i?b|b)?\s*", text.lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GB, 1073741824)")
+    number, unit = match.groups()
+    value = int(float(number) * _UNITS[unit or ""])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return value
+
+
+def describe_to_proto(description: ModelDescription) -> pb.ModelDescription:
+    return pb.ModelDescription(
+        model_id=description.model_id,
+        architecture=description.architecture,
+        dtype=description.dtype,
+        vocab_size=description.vocab_size,
+        max_model_len=description.max_model_len,
+        num_layers=description.num_layers,
+        num_kv_heads=description.num_kv_heads,
+        head_dim=description.head_dim,
+        eos_token_ids=description.eos_token_ids,
+        bytes_per_block_token=description.bytes_per_block_token,
+    )
+
+
+class WorkerServicer(pb_grpc.WorkerServicer):
+    """Adapts ModelRunner to gRPC. `runner` is None until the model has loaded."""
+
+    def __init__(self, kv_cache_memory: int):
+        self.runner: ModelRunner | None = None
+        self._kv_cache_memory = kv_cache_memory
+        self._block_size: int | None = None
+        self._lock = asyncio.Lock()  # one step (or re-initialization) at a time
+
+    async def _loaded(self, context: aio.ServicerContext) -> ModelRunner:
+        if self.runner is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        return self.runner
+
+    async def Describe(self, request: pb.DescribeRequest, context: aio.ServicerContext) -> pb.ModelDescription:
+        runner = await self._loaded(context)
+        return describe_to_proto(runner.describe())
+
+    async def InitializeCache(
+        self, request: pb.InitializeCacheRequest, context: aio.ServicerContext
+    ) -> pb.InitializeCacheResponse:
+        runner = await self._loaded(context)
+        if request.block_size <= 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "block_size: must be positive")
+        async with self._lock:
+            try:
+                num_blocks = runner.num_blocks_for_memory(self._kv_cache_memory, request.block_size)
+            except ValueError as error:  # the budget holds not even one block
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"kv_cache_memory: {error}")
+            await asyncio.to_thread(runner.initialize_kv_cache, num_blocks, request.block_size)
+            self._block_size = request.block_size
+        log.info("KV cache initialized: %d blocks of %d tokens", num_blocks, request.block_size)
+        return pb.InitializeCacheResponse(
+            num_blocks=num_blocks, block_size=request.block_size, model=describe_to_proto(runner.describe())
+        )
+
+    async def ExecuteStep(self, request: pb.Step, context: aio.ServicerContext) -> pb.StepResult:
+        runner = await self._loaded(context)
+        if self._block_size is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "InitializeCache must come before ExecuteStep")
+        step = step_from_proto(request)
+        async with self._lock:
+            try:
+                output = await asyncio.to_thread(runner.execute, step)
+            except ValueError as error:  # a step that contradicts what the worker holds
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        return output_to_proto(output)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--port", type=int, default=50052, help="port to listen on")
+    parser.add_argument("--host", default="[::]", help="address to bind (default: all interfaces)")
+    parser.add_argument("--model-dir", type=Path, help="Hugging Face model directory (default: the embedded model)")
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--kv-cache-memory", type=parse_bytes, default=parse_bytes("1GiB"), help="KV cache budget, e.g. 512MiB, 2GB"
+    )
+    parser.add_argument("--attention-backend", default=None, help="attention kernels by name (default: per device)")
+    parser.add_argument("--grace", type=float, default=10.0, help="seconds a running step gets on SIGTERM")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level)
+    servicer = WorkerServicer(args.kv_cache_memory)
+
+    async def load_model() -> None:
+        from prefixcache.services.worker.model_runner import ModelRunner
+
+        model_dir = args.model_dir
+        if model_dir is None:
+            from prefixcache.services.common.model_store import ensure_default_model
+
+            model_dir = await asyncio.to_thread(ensure_default_model)
+        servicer.runner = await asyncio.to_thread(
+            ModelRunner, model_dir, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend
+        )
+        log.info("model loaded: %s", servicer.runner.describe().model_id)
+
+    registration = Servicer(SERVICE_NAME, lambda server: pb_grpc.add_WorkerServicer_to_server(servicer, server))
+    return asyncio.run(
+        run_server(
+            "prefixcache-worker", f"{args.host}:{args.port}", [registration], grace_s=args.grace, startup=load_model
+        )
+    )

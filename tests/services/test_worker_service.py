@@ -1,0 +1,108 @@
+"""The worker service over real loopback gRPC, hosting the embedded model's ModelRunner."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc import aio
+
+from prefixcache.protos.worker.v1 import worker_pb2 as pb
+from prefixcache.protos.worker.v1 import worker_pb2_grpc as pb_grpc
+from prefixcache.services.common.step import CachedRequestData, NewRequestData, SchedulerStep
+from prefixcache.services.common.step_codec import output_from_proto, step_to_proto
+from prefixcache.services.worker.server import WorkerServicer, parse_bytes
+
+pytestmark = pytest.mark.slow
+
+CAPITAL_PROMPT = [
+    1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407,
+    19712, 8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198,
+]  # fmt: skip
+CAPITAL_ANSWER = [504, 3575, 282, 4649, 314, 7042, 30, 2]  # "The capital of France is Paris."
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def runner(model_dir: Path):
+    from prefixcache.services.worker.model_runner import ModelRunner
+
+    return ModelRunner(model_dir, dtype="float32")
+
+
+def serve(runner, body, kv_memory: int = parse_bytes("32MiB")) -> None:
+    async def main() -> None:
+        servicer = WorkerServicer(kv_memory)
+        servicer.runner = runner
+        server = aio.server()
+        pb_grpc.add_WorkerServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                await body(pb_grpc.WorkerStub(channel))
+        finally:
+            await server.stop(0)
+
+    asyncio.run(main())
+
+
+def test_greedy_generation_through_steps(runner) -> None:
+    async def body(stub: pb_grpc.WorkerStub) -> None:
+        description = await stub.Describe(pb.DescribeRequest())
+        assert description.vocab_size == 49152 and list(description.eos_token_ids) == [2]
+        init = await stub.InitializeCache(pb.InitializeCacheRequest(block_size=BLOCK))
+        expected_blocks = parse_bytes("32MiB") // (description.bytes_per_block_token * BLOCK)
+        assert init.num_blocks == expected_blocks and init.model.model_id == description.model_id
+
+        # The prompt in two prefill chunks (the first samples nothing), then decodes, growing the
+        # block table by one block when the sequence crosses a block boundary.
+        blocks = [5, 9, 2]
+        step = SchedulerStep(1, new_requests=[NewRequestData("r", CAPITAL_PROMPT, blocks, 0)], num_scheduled_tokens={"r": 20})
+        reply = output_from_proto(await stub.ExecuteStep(step_to_proto(step)))
+        assert reply.step_id == 1 and reply.sampled_token_ids == {}
+        computed, generated, step_id = 20, [], 2
+        scheduled = len(CAPITAL_PROMPT) - 20
+        while len(generated) < len(CAPITAL_ANSWER):
+            new_blocks = [7] if computed + scheduled > len(blocks) * BLOCK else []
+            blocks += new_blocks
+            step = SchedulerStep(
+                step_id,
+                cached_requests=[CachedRequestData("r", new_blocks, computed)],
+                num_scheduled_tokens={"r": scheduled},
+            )
+            reply = output_from_proto(await stub.ExecuteStep(step_to_proto(step)))
+            generated.append(reply.sampled_token_ids["r"])
+            computed += scheduled
+            scheduled, step_id = 1, step_id + 1
+        assert generated == CAPITAL_ANSWER
+
+    serve(runner, body)
+
+
+def test_step_before_initialization_is_refused(runner) -> None:
+    async def body(stub: pb_grpc.WorkerStub) -> None:
+        with pytest.raises(grpc.RpcError) as error:
+            await stub.ExecuteStep(pb.Step(step_id=1))
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(grpc.RpcError) as error:
+            await stub.InitializeCache(pb.InitializeCacheRequest(block_size=0))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.value.details().startswith("block_size:")
+
+    serve(runner, body)
+
+
+def test_a_budget_too_small_for_one_block_is_refused(runner) -> None:
+    async def body(stub: pb_grpc.WorkerStub) -> None:
+        with pytest.raises(grpc.RpcError) as error:
+            await stub.InitializeCache(pb.InitializeCacheRequest(block_size=BLOCK))
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+    serve(runner, body, kv_memory=1024)
+
+
+@pytest.mark.parametrize(("text", "expected"), [("512MiB", 512 * 2**20), ("2GB", 2 * 10**9), ("4096", 4096)])
+def test_parse_bytes(text: str, expected: int) -> None:
+    assert parse_bytes(text) == expected
