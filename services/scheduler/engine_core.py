@@ -53,6 +53,7 @@ class WorkerInfo:
     num_kv_blocks: int  # blocks of the scheduler's block size the worker's KV cache holds
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = ""
+    supports_multimodal: bool = False
 
 
 class WorkerUnavailable(Exception):
@@ -224,6 +225,8 @@ class EngineCore:
             raise RequestRejected("top_k", f"must be >= 0, got {sampling.top_k}")
         if sampling.logprobs < 0:
             raise RequestRejected("logprobs", f"must be >= 0, got {sampling.logprobs}")
+        if request.extras.mm_items and not info.supports_multimodal:
+            raise RequestRejected("multimodal", f"the model {info.model_id!r} takes text only")
         bad_stop = next((t for t in request.stop_token_ids if not 0 <= t < info.vocab_size), None)
         if bad_stop is not None:
             raise RequestRejected("stop_token_ids", f"token id {bad_stop} is outside the vocabulary")

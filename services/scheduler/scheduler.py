@@ -23,6 +23,7 @@ from prefixcache.services.common.step import (
     NewRequestData,
     SchedulerStep,
     StepOutput,
+    TokenLogprobs,
 )
 from prefixcache.services.scheduler.kv_cache import KVCacheManager
 from prefixcache.services.scheduler.request import (
@@ -211,7 +212,7 @@ class Scheduler:
         if output.step_id != step.step_id:
             raise ValueError(f"output of step {output.step_id} applied to step {step.step_id}")
         outputs: list[RequestOutput] = []
-        for request_id, token_id in output.sampled_token_ids.items():
+        for request_id in output.sampled_token_ids:
             if request_id not in step.num_scheduled_tokens:
                 raise ValueError(f"worker sampled for {request_id!r}, which step {step.step_id} did not schedule")
         for request_id in step.num_scheduled_tokens:
@@ -243,7 +244,11 @@ class Scheduler:
         return None
 
     def _output(
-        self, request: Request, token_ids: list[int], finish_reason: str | None, logprobs: tuple = ()
+        self,
+        request: Request,
+        token_ids: list[int],
+        finish_reason: str | None,
+        logprobs: tuple[TokenLogprobs, ...] = (),
     ) -> RequestOutput:
         finished = finish_reason is not None
         first = not request.sent_first_output

@@ -1,0 +1,251 @@
+"""EngineCore end to end over the simulated worker: concurrency, caching, cancellation, worker loss,
+bad input, shutdown. The simulated worker checks every step's diff and the KV every request reads."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from prefixcache.services.common.block_identity import BlockExtras, MultiModalItem
+from prefixcache.services.common.step import SamplingParams
+from prefixcache.services.scheduler.engine_core import (
+    EngineCore,
+    EngineRequest,
+    EngineUnavailable,
+    QueueFull,
+    RequestRejected,
+    SchedulerConfig,
+)
+
+from sim_worker import SimulatedWorker, reference_generation
+
+VOCAB = 1000
+BLOCK = 4
+
+
+def config(**overrides) -> SchedulerConfig:
+    return SchedulerConfig(block_size=BLOCK, **{"max_num_batched_tokens": 64, **overrides})
+
+
+def request(request_id, prompt, max_tokens=6, **kwargs) -> EngineRequest:
+    return EngineRequest(request_id, list(prompt), kwargs.pop("sampling", SamplingParams()), max_tokens, **kwargs)
+
+
+async def collect(stream):
+    return [output async for output in stream]
+
+
+def tokens_of(outputs):
+    return [t for o in outputs for t in o.new_token_ids]
+
+
+def run(coroutine_fn, worker=None, **config_overrides):
+    """Start an engine on a simulated worker, run the test body, check nothing leaked, shut down."""
+    worker = worker or SimulatedWorker(num_kv_blocks=64, vocab_size=VOCAB)
+
+    async def main():
+        engine = EngineCore(config(**config_overrides), worker)
+        await engine.start()
+        try:
+            await coroutine_fn(engine, worker)
+            await asyncio.sleep(0)
+            stats = engine.cache_stats()
+            assert stats.used_blocks == 0, "blocks leaked"
+        finally:
+            await engine.shutdown(grace_s=1.0)
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_sixteen_concurrent_streams_complete_with_the_reference_tokens():
+    prompts = {f"r{i}": [(i * 7 + j) % VOCAB for j in range(5 + 3 * i)] for i in range(16)}
+
+    async def body(engine, worker):
+        results = await asyncio.gather(*(collect(engine.add_request(request(rid, p, 8))) for rid, p in prompts.items()))
+        for (rid, prompt), outputs in zip(prompts.items(), results):
+            assert tokens_of(outputs) == reference_generation(prompt, 8, VOCAB)
+            assert outputs[-1].finished and outputs[-1].finish_reason == "length"
+            assert outputs[-1].usage.completion_tokens == 8
+        # all 16 ran together: some step had every request in it
+        assert max(len(s.num_scheduled_tokens) for s in worker.steps) == 16
+
+    run(body, SimulatedWorker(num_kv_blocks=256, vocab_size=VOCAB), max_num_batched_tokens=512)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_shared_prefix_is_served_from_the_cache_with_the_same_output(caching):
+    shared = list(range(300, 341))  # 41 tokens: 10 full blocks
+
+    async def body(engine, worker):
+        await collect(engine.add_request(request("first", shared + [1, 2, 3])))
+        outputs = await collect(engine.add_request(request("second", shared + [4, 5])))
+        assert tokens_of(outputs) == reference_generation(shared + [4, 5], 6, VOCAB)
+        usage = outputs[-1].usage
+        assert usage.prompt_tokens == 43
+        assert usage.cached_tokens == (40 if caching else 0)
+        assert outputs[0].cache_account.stop_reason == ("full_hit" if caching else "disabled") or not caching
+
+    run(body, enable_prefix_caching=caching)
+
+
+def test_preemption_under_a_small_pool_still_gives_every_request_its_tokens():
+    worker = SimulatedWorker(num_kv_blocks=12, vocab_size=VOCAB)
+    prompts = {f"r{i}": [(i * 31 + j) % VOCAB for j in range(14)] for i in range(6)}
+
+    async def body(engine, worker):
+        results = await asyncio.gather(*(collect(engine.add_request(request(rid, p, 20))) for rid, p in prompts.items()))
+        for (rid, prompt), outputs in zip(prompts.items(), results):
+            assert tokens_of(outputs) == reference_generation(prompt, 20, VOCAB)
+        assert sum(s.finished_request_ids != [] for s in worker.steps) > 0
+        assert max(o[-1].num_preemptions for o in results) > 0
+        assert engine._scheduler.counters.preemptions > 0
+
+    run(body, worker)
+
+
+def test_leaving_the_stream_aborts_the_request_and_frees_its_blocks_at_once():
+    async def body(engine, worker):
+        stream = engine.add_request(request("gone", range(40), max_tokens=200))
+        first = await anext(stream)
+        assert first.new_token_ids and engine.cache_stats().used_blocks > 0
+        await stream.aclose()
+        assert engine.cache_stats().used_blocks == 0
+        assert engine.num_running == 0
+        # the next step tells the worker to drop it
+        await collect(engine.add_request(request("next", range(500, 510), 2)))
+        assert "gone" not in worker.requests
+        assert any("gone" in s.finished_request_ids for s in worker.steps)
+
+    run(body)
+
+
+def test_abort_ends_the_stream_with_reason_abort():
+    async def body(engine, worker):
+        stream = engine.add_request(request("a", range(20), max_tokens=200))
+        await anext(stream)
+        engine.abort("a")
+        assert engine.cache_stats().used_blocks == 0
+        rest = await collect(stream)
+        assert rest[-1].finished and rest[-1].finish_reason == "abort"
+        engine.abort("a")  # unknown now: ignored
+
+    run(body)
+
+
+def test_a_slow_client_does_not_hold_up_the_others():
+    async def body(engine, worker):
+        slow = engine.add_request(request("slow", range(10), max_tokens=30))  # never read until the end
+        fast = await collect(engine.add_request(request("fast", range(600, 610), max_tokens=30)))
+        assert len(tokens_of(fast)) == 30
+        assert len(tokens_of(await collect(slow))) == 30
+
+    run(body)
+
+
+def test_worker_loss_fails_in_flight_requests_and_a_restarted_worker_serves_with_an_empty_cache():
+    prompt = list(range(100, 140))
+
+    async def body(engine, worker):
+        await collect(engine.add_request(request("warm", prompt)))
+        stream = engine.add_request(request("doomed", range(700, 720), max_tokens=200))
+        await anext(stream)
+        worker.fail_next_step(down_for=2)
+        with pytest.raises(EngineUnavailable, match="worker was lost"):
+            await collect(stream)
+        with pytest.raises(EngineUnavailable):
+            engine.add_request(request("too-early", prompt))
+        while not engine.is_serving:
+            await asyncio.sleep(0.01)
+        assert worker.initializations == 2
+        outputs = await collect(engine.add_request(request("after", prompt)))
+        assert outputs[-1].usage.cached_tokens == 0  # the old cache died with the worker
+        assert tokens_of(outputs) == reference_generation(prompt, 6, VOCAB)
+        again = await collect(engine.add_request(request("again", prompt)))
+        assert again[-1].usage.cached_tokens == 36
+
+    run(body)
+
+
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (lambda: request("x", []), "prompt_token_ids"),
+        (lambda: request("x", [1, VOCAB]), "prompt_token_ids"),
+        (lambda: request("x", [-1]), "prompt_token_ids"),
+        (lambda: request("x", [1], max_tokens=0), "max_tokens"),
+        (lambda: request("x", range(100), max_tokens=4000), "max_tokens"),  # beyond max_model_len
+        (lambda: request("x", range(100), max_tokens=200), "max_tokens"),  # beyond the KV cache
+        (lambda: request("x", [1], sampling=SamplingParams(temperature=-1)), "temperature"),
+        (lambda: request("x", [1], sampling=SamplingParams(top_p=0)), "top_p"),
+        (lambda: request("x", [1], sampling=SamplingParams(top_p=1.5)), "top_p"),
+        (lambda: request("x", [1], sampling=SamplingParams(top_k=-1)), "top_k"),
+        (lambda: request("x", [1], stop_token_ids=(VOCAB,)), "stop_token_ids"),
+        (lambda: request("x", [1, 2], extras=BlockExtras(mm_items=(MultiModalItem("img", 0, 1),))), "multimodal"),
+    ],
+)
+def test_bad_input_is_rejected_naming_the_field_and_the_engine_still_serves(make, field):
+    async def body(engine, worker):
+        with pytest.raises(RequestRejected) as error:
+            engine.add_request(make())
+        assert error.value.field == field
+        assert len(await collect(engine.add_request(request("ok", [1, 2, 3])))) == 6
+
+    run(body, SimulatedWorker(num_kv_blocks=64, vocab_size=VOCAB, max_model_len=4096), max_model_len=2048)
+
+
+def test_duplicate_request_ids_and_a_full_queue_are_refused():
+    async def body(engine, worker):
+        streams = [engine.add_request(request(f"q{i}", [1, 2, 3])) for i in range(2)]
+        with pytest.raises(RequestRejected, match="request_id"):
+            engine.add_request(request("q0", [1, 2, 3]))
+        with pytest.raises(QueueFull):
+            engine.add_request(request("q2", [1, 2, 3]))
+        for stream in streams:
+            await collect(stream)
+
+    run(body, max_waiting=2)
+
+
+def test_shutdown_aborts_what_does_not_finish_within_the_grace_period():
+    async def main():
+        worker = SimulatedWorker(vocab_size=VOCAB, step_delay_s=0.005)
+        engine = EngineCore(config(), worker)
+        await engine.start()
+        stream = engine.add_request(request("long", range(10), max_tokens=200))
+        await anext(stream)
+        await engine.shutdown(grace_s=0.05)
+        outputs = await collect(stream)
+        assert outputs[-1].finish_reason == "abort"
+        assert engine.cache_stats().used_blocks == 0
+        with pytest.raises(EngineUnavailable, match="stopping"):
+            engine.add_request(request("late", [1]))
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_shutdown_lets_short_requests_finish():
+    async def main():
+        engine = EngineCore(config(), SimulatedWorker(vocab_size=VOCAB))
+        await engine.start()
+        stream = engine.add_request(request("short", range(10), max_tokens=5))
+        await engine.shutdown(grace_s=5)
+        outputs = await collect(stream)
+        assert outputs[-1].finish_reason == "length" and len(tokens_of(outputs)) == 5
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_metrics_expose_cache_and_queue_counters():
+    async def body(engine, worker):
+        shared = list(range(50))
+        await collect(engine.add_request(request("a", shared)))
+        await collect(engine.add_request(request("b", shared)))
+        text = engine.metrics.exposition().decode()
+        assert "prefixcache_prefix_cache_queries_total 100.0" in text
+        assert "prefixcache_prefix_cache_hits_total 48.0" in text
+        assert "prefixcache_generation_tokens_total 12.0" in text
+        assert 'prefixcache_requests_finished_total{finish_reason="length"} 2.0' in text
+        assert 'prefixcache_kv_blocks{state="used"} 0.0' in text
+        assert "prefixcache_requests_running 0.0" in text
+
+    run(body)
