@@ -1,0 +1,156 @@
+"""Deterministic CBOR (RFC 8949 §4.2.1) for the few shapes block identity needs.
+
+Only definite-length items in their shortest form: unsigned and negative integers, byte strings,
+text strings, arrays, null and booleans. There are no maps and no floats, so the only rule of
+"core deterministic encoding" that applies is the shortest-head rule. The output equals
+`cbor2.dumps(value, canonical=True)` for every supported value (tests check this with hypothesis).
+
+The block hasher spends most of its time turning token ids into CBOR, so this module also has a
+bulk encoder, `encode_uint_runs`, that encodes a whole prompt with a few C-level byte operations
+instead of one Python call per token.
+"""
+from __future__ import annotations
+
+import operator
+import sys
+from array import array
+from collections.abc import Sequence
+
+_MAJOR_UINT = 0
+_MAJOR_NEGINT = 1
+_MAJOR_BYTES = 2
+_MAJOR_TEXT = 3
+_MAJOR_ARRAY = 4
+
+_NULL = b"\xf6"
+_FALSE = b"\xf4"
+_TRUE = b"\xf5"
+_UINT64_LIMIT = 1 << 64
+
+
+def head(major: int, argument: int) -> bytes:
+    """The shortest initial byte(s) for a major type and its argument (a length or a value)."""
+    if argument < 24:
+        return bytes((major << 5 | argument,))
+    if argument < 0x100:
+        return bytes((major << 5 | 24, argument))
+    if argument < 0x10000:
+        return bytes((major << 5 | 25,)) + argument.to_bytes(2, "big")
+    if argument < 0x100000000:
+        return bytes((major << 5 | 26,)) + argument.to_bytes(4, "big")
+    if argument < _UINT64_LIMIT:
+        return bytes((major << 5 | 27,)) + argument.to_bytes(8, "big")
+    raise ValueError(f"CBOR argument {argument} does not fit in 64 bits")
+
+
+def encode(value: object) -> bytes:
+    """Encode None, bool, int, bytes, str and (nested) lists or tuples as deterministic CBOR."""
+    parts: list[bytes] = []
+    _encode_into(value, parts)
+    return b"".join(parts)
+
+
+def _encode_into(value: object, parts: list[bytes]) -> None:
+    if value is None:
+        parts.append(_NULL)
+    elif value is True:
+        parts.append(_TRUE)
+    elif value is False:
+        parts.append(_FALSE)
+    elif isinstance(value, int):
+        if value >= 0:
+            parts.append(head(_MAJOR_UINT, value))
+        else:
+            parts.append(head(_MAJOR_NEGINT, -1 - value))
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        data = bytes(value)
+        parts.append(head(_MAJOR_BYTES, len(data)))
+        parts.append(data)
+    elif isinstance(value, str):
+        data = value.encode("utf-8")
+        parts.append(head(_MAJOR_TEXT, len(data)))
+        parts.append(data)
+    elif isinstance(value, (list, tuple)):
+        parts.append(head(_MAJOR_ARRAY, len(value)))
+        for item in value:
+            _encode_into(item, parts)
+    else:
+        raise TypeError(f"cannot encode {type(value).__name__} as block-identity CBOR")
+
+
+class _UintEncodings(dict):
+    """token id -> its CBOR encoding, filled on first use (bounded by the vocabulary size)."""
+
+    def __missing__(self, value: int) -> bytes:
+        encoded = head(_MAJOR_UINT, value)
+        self[value] = encoded
+        return encoded
+
+
+_UINT_ENCODINGS = _UintEncodings()
+
+
+def _checked_uint(value: object) -> int:
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(f"token ids must be integers, got {value!r}") from None
+    if isinstance(value, bool) or not 0 <= number < _UINT64_LIMIT:
+        raise ValueError(f"token ids must be unsigned integers below 2**64, got {value!r}")
+    return number
+
+
+def encode_uints(values: Sequence[int]) -> bytes:
+    """The concatenated CBOR encodings of unsigned integers (no array head), validating each."""
+    table = _UINT_ENCODINGS
+    return b"".join([table[_checked_uint(v)] for v in values])
+
+
+def _encode_trusted_uints(values: Sequence[int]) -> bytes:
+    """`encode_uints` for values already known to be ints in [0, 2**32)."""
+    return b"".join(map(_UINT_ENCODINGS.__getitem__, values))
+
+
+_U32 = next(code for code in "IL" if array(code).itemsize == 4)
+_NATIVE_LITTLE_ENDIAN = sys.byteorder == "little"
+_U16_HEAD = bytes((_MAJOR_UINT << 5 | 25,))
+
+
+def encode_uint_runs(values: Sequence[int], run_length: int) -> list[bytes]:
+    """Encode `values` in consecutive runs of `run_length`: one `encode_uints(run)` per run.
+
+    `len(values)` must be a multiple of `run_length`. Fast path: when every value lies in
+    [256, 65536) (most tokens of a vocabulary under 64k), each encodes as `0x19` plus two
+    big-endian bytes, so the whole sequence is packed into 32-bit big-endian words and rearranged
+    with three strided slice assignments; runs that contain a value below 256 (shorter encodings)
+    are re-encoded one by one. Anything else (ids of 64k and more, non-integers) takes the general
+    path, which validates every value.
+    """
+    count = len(values)
+    if count % run_length:
+        raise ValueError(f"{count} values do not split into runs of {run_length}")
+    try:
+        words = array(_U32, values)
+    except (TypeError, OverflowError):
+        return [encode_uints(values[i : i + run_length]) for i in range(0, count, run_length)]
+    if _NATIVE_LITTLE_ENDIAN:
+        words.byteswap()
+    raw = words.tobytes()
+    if raw[0::4].count(0) != count or raw[1::4].count(0) != count:  # some value >= 65536
+        return [_encode_trusted_uints(values[i : i + run_length]) for i in range(0, count, run_length)]
+    high_bytes = raw[2::4]
+    packed = bytearray(3 * count)
+    packed[0::3] = _U16_HEAD * count
+    packed[1::3] = high_bytes
+    packed[2::3] = raw[3::4]
+    encoded = bytes(packed)
+    stride = 3 * run_length
+    runs = [encoded[i : i + stride] for i in range(0, 3 * count, stride)]
+    # A zero high byte marks a value below 256, whose shortest encoding is 1 or 2 bytes.
+    position = high_bytes.find(0)
+    while position != -1:
+        run = position // run_length
+        start = run * run_length
+        runs[run] = _encode_trusted_uints(values[start : start + run_length])
+        position = high_bytes.find(0, start + run_length)
+    return runs

@@ -1,0 +1,17 @@
+"""The scheduler's KV cache: block pool, free queue and the prefix-caching manager.
+
+Pure Python with no torch, triton or grpc imports (enforced by import-linter), so the scheduler
+image stays small and this logic is testable anywhere.
+"""
+from prefixcache.services.scheduler.kv_cache.block_pool import BlockPool, EvictionEvent
+from prefixcache.services.scheduler.kv_cache.free_queue import FreeBlockQueue
+from prefixcache.services.scheduler.kv_cache.manager import (
+    CacheAccount,
+    CacheStats,
+    KVCacheManager,
+    KVRequest,
+    StopReason,
+)
+
+__all__ = ["BlockPool", "CacheAccount", "CacheStats", "EvictionEvent", "FreeBlockQueue", "KVCacheManager",
+           "KVRequest", "StopReason"]

@@ -1,0 +1,145 @@
+"""The block pool: reference counts, block hashes, the hash→block map and eviction."""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from typing import Literal, NamedTuple
+
+from prefixcache.services.scheduler.kv_cache.free_queue import FreeBlockQueue
+
+
+class EvictionEvent(NamedTuple):
+    """A cached block lost its hash: its KV can no longer be reused."""
+
+    block_hash: bytes
+    block_id: int
+    evicting_request_id: str | None  # whose allocation took the block; None for a reset
+    storing_request_id: str  # the request whose tokens filled the block
+    reason: Literal["allocation", "reset"] = "allocation"
+
+
+class BlockPool:
+    """N blocks, ids 0..N-1, with reference counts and an optional content hash each.
+
+    - `ref_counts[b]` is the number of requests using block b; b is in `free_queue` iff it is 0.
+    - `block_hashes[b]` is set once b is full and cached, and cleared when b is evicted, which
+      happens only when b is popped from the free queue for a new allocation (or on reset).
+    - `cached` maps a hash to one block holding it. Two requests computing the same block at the
+      same time produce two blocks with one hash; block tables are append-only, so neither is
+      merged away: the extra ones wait in `_duplicates` and take over when the first is evicted.
+    """
+
+    def __init__(self, num_blocks: int, evicted_history: int, max_pending_events: int) -> None:
+        self.num_blocks = num_blocks
+        self.ref_counts: list[int] = [0] * num_blocks
+        self.block_hashes: list[bytes | None] = [None] * num_blocks
+        self.stored_by: list[str | None] = [None] * num_blocks  # block id -> request that cached it
+        self.free_queue = FreeBlockQueue(range(num_blocks))
+        self.cached: dict[bytes, int] = {}  # hash -> a block holding it
+        self._duplicates: dict[bytes, list[int]] = {}  # hash -> further blocks holding it
+        self.num_cached_blocks = 0
+        # Hashes recently evicted, oldest first, so a miss can be explained as "evicted" vs "cold".
+        self.recently_evicted: OrderedDict[bytes, None] = OrderedDict()
+        self._evicted_history = evicted_history
+        self._events: deque[tuple] = deque(maxlen=max_pending_events)
+        self.events_dropped = 0
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def blocks_with_hash(self, block_hash: bytes) -> list[int]:
+        """Every block currently holding `block_hash` (normally zero or one)."""
+        first = self.cached.get(block_hash)
+        if first is None:
+            return []
+        return [first, *self._duplicates.get(block_hash, ())]
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take a reference on cache-hit blocks, unlinking free ones from the free queue."""
+        ref_counts = self.ref_counts
+        self.free_queue.remove_n([b for b in block_ids if ref_counts[b] == 0])
+        for block_id in block_ids:
+            ref_counts[block_id] += 1
+
+    def allocate(self, count: int, request_id: str) -> list[int]:
+        """Pop `count` blocks from the head of the free queue, evicting the hashes they held."""
+        block_ids = self.free_queue.popleft_n(count)
+        block_hashes, ref_counts = self.block_hashes, self.ref_counts
+        for block_id in block_ids:
+            ref_counts[block_id] = 1
+        for block_id in [b for b in block_ids if block_hashes[b] is not None]:
+            self._evict(block_id, request_id, "allocation")
+        return block_ids
+
+    def _evict(self, block_id: int, request_id: str | None, reason: str) -> None:
+        block_hash = self.block_hashes[block_id]
+        self.block_hashes[block_id] = None
+        duplicates = self._duplicates.get(block_hash)
+        if duplicates is None:
+            del self.cached[block_hash]
+            self._remember_eviction(block_hash)
+        else:
+            if self.cached[block_hash] == block_id:
+                self.cached[block_hash] = duplicates.pop()
+            else:
+                duplicates.remove(block_id)
+            if not duplicates:
+                del self._duplicates[block_hash]
+        self.num_cached_blocks -= 1
+        self.num_evictions += 1
+        if len(self._events) == self._events.maxlen:
+            self.events_dropped += 1
+        self._events.append((block_hash, block_id, request_id, self.stored_by[block_id], reason))
+        self.stored_by[block_id] = None
+
+    def _remember_eviction(self, block_hash: bytes) -> None:
+        record = self.recently_evicted
+        if block_hash in record:
+            record.move_to_end(block_hash)
+            return
+        record[block_hash] = None
+        if len(record) > self._evicted_history:
+            record.popitem(last=False)
+
+    def cache(self, block_ids: Sequence[int], block_hashes: Sequence[bytes], request_id: str) -> None:
+        """Record that full blocks hold the KV of `block_hashes`; they become reusable."""
+        hashes, stored_by, cached = self.block_hashes, self.stored_by, self.cached
+        for block_id, block_hash in zip(block_ids, block_hashes):
+            hashes[block_id] = block_hash
+            stored_by[block_id] = request_id
+            if cached.setdefault(block_hash, block_id) != block_id:
+                self._duplicates.setdefault(block_hash, []).append(block_id)
+        self.num_cached_blocks += len(block_ids)
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference on each block, releasing them in the order given.
+
+        Released blocks that hold a hash join the tail (evicted last: LRU); blocks without one
+        are pushed onto the head (reused first: their content is worthless).
+        """
+        ref_counts, block_hashes = self.ref_counts, self.block_hashes
+        hashed: list[int] = []
+        unhashed: list[int] = []
+        for block_id in block_ids:
+            count = ref_counts[block_id] - 1
+            ref_counts[block_id] = count
+            if count == 0:
+                (unhashed if block_hashes[block_id] is None else hashed).append(block_id)
+        self.free_queue.append_n(hashed)
+        self.free_queue.push_front_n(unhashed)
+
+    def reset(self) -> bool:
+        """Forget every cached hash; refuses (False) while any block is in use."""
+        if len(self.free_queue) != self.num_blocks:
+            return False
+        for block_id, block_hash in enumerate(self.block_hashes):
+            if block_hash is not None:
+                self._evict(block_id, None, "reset")
+        return True
+
+    def take_events(self) -> list[EvictionEvent]:
+        events = [EvictionEvent._make(event) for event in self._events]
+        self._events.clear()
+        return events
