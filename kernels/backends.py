@@ -187,18 +187,26 @@ def _check_triton_usable(device: torch.device) -> None:
             f"attention backend 'triton' needs a CUDA device, got {device.type!r}; use 'torch' on CPU "
             "(or set TRITON_INTERPRET=1 before importing the kernels, for tests: it is very slow)"
         )
-    from . import triton_paged_attention, triton_reshape_and_cache
+    if not triton_runs_interpreted():
+        raise ValueError(
+            "TRITON_INTERPRET=1 is set, but triton was imported before it was: its kernels are compiled for "
+            "a GPU and cannot run on CPU"
+        )
+
+
+def triton_runs_interpreted() -> bool:
+    """Whether Triton and our kernels were decorated for the interpreter (imports them if need be)."""
+    import triton.language as tl
     from triton.runtime.interpreter import InterpretedFunction
 
-    for module, kernel in (
-        (triton_paged_attention, triton_paged_attention._paged_attention_kernel),
-        (triton_reshape_and_cache, triton_reshape_and_cache._reshape_and_cache_kernel),
-    ):
-        if not isinstance(kernel, InterpretedFunction):
-            raise ValueError(
-                f"TRITON_INTERPRET=1 is set, but {module.__name__} was imported before it was: its kernels are "
-                "compiled for a GPU and cannot run on CPU"
-            )
+    from .triton_paged_attention import _paged_attention_kernel
+    from .triton_reshape_and_cache import _reshape_and_cache_kernel
+
+    # tl.zeros stands for triton.language's own @triton.jit helpers, decorated when triton is imported.
+    return all(
+        isinstance(function, InterpretedFunction)
+        for function in (tl.zeros, _paged_attention_kernel, _reshape_and_cache_kernel)
+    )
 
 
 def check_kv_shapes(

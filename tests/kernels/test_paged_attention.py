@@ -1,0 +1,154 @@
+"""Paged attention: the Triton kernel and the torch CPU path against the plain-torch reference, and each other."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefixcache.kernels import AttentionMetadata, get_attention_backend, paged_attention_reference
+from prefixcache.kernels.reference import reshape_and_cache_reference
+from prefixcache.kernels.torch_attention import TorchAttentionPlan, attend_torch
+
+# (queries per kv head, head_dim, block_size); two kv heads each. head_dim 24 exercises the kernel's padding.
+SHAPES = [
+    pytest.param(1, 16, 4, id="gqa1-d16-bs4"),
+    pytest.param(3, 24, 8, id="gqa3-d24-bs8"),
+]
+# (cached context, new tokens) per sequence.
+BATCHES = [
+    pytest.param(
+        [(0, 7), (9, 5), (12, 1), (5, 1), (0, 1), (3, 2)],
+        id="mixed",  # fresh prefill, chunks on context, decodes (one opening a new block), a 1-token prompt
+    ),
+    pytest.param([(6, 1), (17, 1), (1, 1), (30, 1)], id="decodes"),  # unequal lengths: padded decode batch
+    pytest.param([(21, 19), (0, 18)], id="long-chunks"),  # several query tiles per sequence under GQA
+]
+
+
+def written(batch, device: torch.device) -> AttentionMetadata:
+    """The step's metadata, with the new keys and values already in the cache (via the reference)."""
+    meta = AttentionMetadata.build(batch.query_lens, batch.seq_lens, batch.block_tables, batch.block_size, device)
+    reshape_and_cache_reference(batch.key, batch.value, batch.key_cache, batch.value_cache, meta.slot_mapping)
+    return meta
+
+
+def reference_output(batch) -> torch.Tensor:
+    return paged_attention_reference(
+        batch.query.cpu(),
+        batch.key_cache.cpu(),
+        batch.value_cache.cpu(),
+        batch.query_lens,
+        batch.seq_lens,
+        batch.block_tables,
+        batch.scale,
+    )
+
+
+@pytest.mark.parametrize("sequences", BATCHES)
+@pytest.mark.parametrize("queries_per_kv,head_dim,block_size", SHAPES)
+def test_triton_kernel_matches_reference(
+    triton_kernels, paged_batch, relative_error, device, sequences, queries_per_kv, head_dim, block_size
+):
+    from prefixcache.kernels.triton_paged_attention import paged_attention
+
+    batch = paged_batch(
+        sequences, block_size=block_size, num_kv_heads=2, queries_per_kv=queries_per_kv, head_dim=head_dim
+    )
+    meta = written(batch, device)
+    output = paged_attention(
+        batch.query,
+        batch.key_cache,
+        batch.value_cache,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+        meta.max_query_len,
+        batch.scale,
+    )
+    assert relative_error(output.cpu(), reference_output(batch)) < 1e-5
+
+
+@pytest.mark.parametrize("sequences", BATCHES)
+@pytest.mark.parametrize("queries_per_kv,head_dim,block_size", SHAPES)
+def test_torch_path_matches_reference(paged_batch, relative_error, sequences, queries_per_kv, head_dim, block_size):
+    batch = paged_batch(
+        sequences, block_size=block_size, num_kv_heads=2, queries_per_kv=queries_per_kv, head_dim=head_dim
+    )
+    meta = written(batch, batch.query.device)
+    plan = TorchAttentionPlan.build(meta, block_size)
+    output = attend_torch(
+        batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, plan, batch.scale
+    )
+    assert relative_error(output.cpu(), reference_output(batch)) < 1e-5
+
+
+def test_torch_path_matches_reference_in_bfloat16(paged_batch, relative_error):
+    batch = paged_batch(
+        [(0, 9), (11, 4), (7, 1), (20, 1)], block_size=4, num_kv_heads=2, queries_per_kv=3, head_dim=16,
+        dtype=torch.bfloat16,
+    )
+    meta = written(batch, batch.query.device)
+    output = get_attention_backend("torch").attend(
+        batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, meta, batch.scale
+    )
+    assert output.dtype == torch.bfloat16
+    assert relative_error(output.cpu(), reference_output(batch)) < 2e-2
+
+
+@pytest.mark.parametrize("queries_per_kv", [1, 3])
+def test_triton_and_torch_backends_agree(triton_kernels, paged_batch, relative_error, device, queries_per_kv):
+    """The full per-layer call sequence of each backend: write this step's K/V, then attend."""
+    batch = paged_batch(
+        [(0, 6), (10, 3), (4, 1), (13, 1)], block_size=4, num_kv_heads=2, queries_per_kv=queries_per_kv, head_dim=16
+    )
+    meta = AttentionMetadata.build(batch.query_lens, batch.seq_lens, batch.block_tables, batch.block_size, device)
+    results = {}
+    for name in ("triton", "torch"):
+        backend = get_attention_backend(name, device)
+        key_cache, value_cache = batch.key_cache.clone(), batch.value_cache.clone()
+        backend.write_kv(batch.key, batch.value, key_cache, value_cache, meta)
+        output = backend.attend(batch.query, batch.key, batch.value, key_cache, value_cache, meta, batch.scale)
+        results[name] = (output, key_cache, value_cache)
+    triton_output, triton_keys, triton_values = results["triton"]
+    torch_output, torch_keys, torch_values = results["torch"]
+    assert torch.equal(triton_keys, torch_keys) and torch.equal(triton_values, torch_values)
+    assert not torch.equal(triton_keys, batch.key_cache)  # the write did happen
+    assert relative_error(triton_output, torch_output) < 1e-5
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "triton", "reference"])
+def test_slots_outside_the_sequences_are_never_read(request, paged_batch, device, backend_name):
+    """NaN in every slot no sequence owns (spare blocks, the tail of partial last blocks) stays out of the output."""
+    if backend_name == "triton":
+        request.getfixturevalue("triton_kernels")
+    batch = paged_batch([(0, 5), (6, 3), (2, 1), (9, 1)], block_size=4, num_kv_heads=1, queries_per_kv=3, head_dim=16)
+    meta = written(batch, device)
+    owned = torch.zeros(batch.key_cache.shape[:2], dtype=torch.bool)
+    for seq_len, table in zip(batch.seq_lens, batch.block_tables):
+        for position in range(seq_len):
+            owned[table[position // batch.block_size], position % batch.block_size] = True
+    expected = reference_output(batch)
+    batch.key_cache[~owned.to(device)] = float("nan")
+    batch.value_cache[~owned.to(device)] = float("nan")
+    output = get_attention_backend(backend_name, device).attend(
+        batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, meta, batch.scale
+    )
+    assert torch.isfinite(output).all()
+    torch.testing.assert_close(output.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: compiled Triton kernels at model size")
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_triton_backend_at_model_size_on_cuda(paged_batch, relative_error, device, dtype, tolerance):
+    """SmolLM2's attention shape (9 query heads, 3 kv heads, head_dim 64), 16-token blocks, up to 1k context."""
+    if device.type != "cuda":
+        pytest.skip("TRITON_INTERPRET=1 is set: the kernels are interpreted, too slow at model size")
+    sequences = [(0, 300), (700, 324), (1023, 1), (511, 1), (64, 1), (250, 17)]
+    batch = paged_batch(sequences, block_size=16, num_kv_heads=3, queries_per_kv=3, head_dim=64, dtype=dtype)
+    meta = AttentionMetadata.build(batch.query_lens, batch.seq_lens, batch.block_tables, batch.block_size, device)
+    backend = get_attention_backend(None, device)
+    assert backend.name == "triton"
+    backend.write_kv(batch.key, batch.value, batch.key_cache, batch.value_cache, meta)
+    output = backend.attend(batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, meta, batch.scale)
+    assert relative_error(output.cpu(), reference_output(batch)) < tolerance
