@@ -21,13 +21,9 @@ from kubernetes import client, config
 from prefixcache.operator import kube
 from prefixcache.operator.conditions import (RECONCILED, READY, Condition, condition_status, find_condition,
                                              merge_condition, readiness)
-from prefixcache.operator.render import Owner, render
-from prefixcache.operator.schema import GROUP, PLURAL, VERSION, SpecError
+from prefixcache.operator.render import MANAGED_BY, Owner, render
+from prefixcache.operator.schema import GROUP, KIND, PLURAL, VERSION, SpecError
 from prefixcache.operator.spec import parse_spec
-
-# How often Ready is recomputed from the child Deployments.
-STATUS_INTERVAL_SECONDS = float(os.environ.get("PREFIXCACHE_OPERATOR_STATUS_INTERVAL", "10"))
-
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
@@ -37,7 +33,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     try:
         config.load_incluster_config()
     except config.ConfigException:
-        config.load_kube_config()
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))  # read now, not at import
     memo.api = client.ApiClient()
 
 
@@ -70,6 +66,10 @@ def reconcile(body: kopf.Body, spec: kopf.Spec, status: kopf.Status, meta: kopf.
         raise kopf.TemporaryError(str(error), delay=60) from error
 
     report(Condition(RECONCILED, True, "Applied", f"children match generation {generation}"))
+    # Ready is also written here, fresh, because this patch replaces the whole condition list.
+    engine_available, ready = _readiness(memo.api, owner, parsed.replicas)
+    report(ready)
+    patch.status["availableReplicas"] = engine_available
     patch.status["observedGeneration"] = generation
     patch.status["replicas"] = parsed.replicas
     patch.status["engineEndpoint"] = owner.engine_endpoint
@@ -77,19 +77,31 @@ def reconcile(body: kopf.Body, spec: kopf.Spec, status: kopf.Status, meta: kopf.
                 parsed.hash_algorithm)
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=STATUS_INTERVAL_SECONDS)
-def refresh_readiness(body: kopf.Body, status: kopf.Status, meta: kopf.Meta, patch: kopf.Patch,
-                      memo: kopf.Memo, **_: Any) -> None:
-    """Ready follows the child Deployments; nothing to report while the spec itself is invalid."""
+@kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGED_BY})
+def child_deployment_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """Ready follows the child Deployments: recompute it whenever one of them changes."""
+    owner_ref = next((ref for ref in body.metadata.get("ownerReferences") or [] if ref.get("kind") == KIND), None)
+    if owner_ref is None:
+        return
+    namespace = body.metadata["namespace"]
+    parent = kube.read_custom(memo.api, owner_ref["name"], namespace)
+    if parent is None or parent["metadata"].get("uid") != owner_ref.get("uid"):
+        return  # the owner is gone (or is a new object with the same name): garbage collection follows
+    status = parent.get("status") or {}
     conditions = status.get("conditions") or []
     if condition_status(conditions, RECONCILED) != "True":
-        return
-    owner = Owner.from_body(body)
-    engine = kube.available_replicas(memo.api, owner.engine_deployment, owner.namespace)
-    tokenizer = kube.available_replicas(memo.api, owner.tokenizer_deployment, owner.namespace)
-    desired = int(status.get("replicas") or 0)
-    condition = readiness(desired, engine, tokenizer)
-    if find_condition(conditions, READY) == condition and status.get("availableReplicas") == (engine or 0):
+        return  # nothing to report while the spec itself cannot be applied
+    owner = Owner.from_body(parent)
+    engine_available, condition = _readiness(memo.api, owner, int(status.get("replicas") or 0))
+    if find_condition(conditions, READY) == condition and status.get("availableReplicas") == engine_available:
         return  # unchanged: no write, no new resourceVersion
-    patch.status["availableReplicas"] = engine or 0
-    patch.status["conditions"] = merge_condition(conditions, condition, meta.get("generation"))
+    kube.patch_custom_status(memo.api, owner.name, namespace, {
+        "availableReplicas": engine_available,
+        "conditions": merge_condition(conditions, condition, parent["metadata"].get("generation")),
+    })
+
+
+def _readiness(api: client.ApiClient, owner: Owner, desired_replicas: int) -> tuple[int, Condition]:
+    engine = kube.available_replicas(api, owner.engine_deployment, owner.namespace)
+    tokenizer = kube.available_replicas(api, owner.tokenizer_deployment, owner.namespace)
+    return engine or 0, readiness(desired_replicas, engine, tokenizer)

@@ -14,6 +14,8 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from prefixcache.operator.schema import GROUP, PLURAL, VERSION
+
 MERGE_PATCH = "application/merge-patch+json"
 
 
@@ -81,3 +83,20 @@ def available_replicas(api_client: client.ApiClient, name: str, namespace: str) 
     if deployment is None:
         return None
     return int((deployment.get("status") or {}).get("availableReplicas") or 0)
+
+
+def read_custom(api_client: client.ApiClient, name: str, namespace: str) -> dict[str, Any] | None:
+    """A PrefixCacheDeployment as a dict; None when it does not exist."""
+    try:
+        return client.CustomObjectsApi(api_client).get_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name)
+    except ApiException as error:
+        if error.status == 404:
+            return None
+        raise
+
+
+def patch_custom_status(api_client: client.ApiClient, name: str, namespace: str,
+                        status: Mapping[str, Any]) -> None:
+    client.CustomObjectsApi(api_client).patch_namespaced_custom_object_status(
+        GROUP, VERSION, namespace, PLURAL, name, {"status": dict(status)}, _content_type=MERGE_PATCH)

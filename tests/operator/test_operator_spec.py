@@ -1,0 +1,134 @@
+"""The CRD as the API server would apply it: structural schema, defaults, validation and the CEL rules
+(mirrored in Python), each bad field named in the error."""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from prefixcache.operator.schema import apply_defaults, load_crd, spec_schema
+from prefixcache.operator.spec import SpecError, parse_spec
+
+KUBE_VERSIONS = ("1.33", "1.37")
+
+
+def walk(schema: dict[str, Any], path: str = "spec"):
+    yield path, schema
+    for name, child in schema.get("properties", {}).items():
+        yield from walk(child, f"{path}.{name}")
+    if isinstance(schema.get("items"), dict):
+        yield from walk(schema["items"], f"{path}[]")
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from walk(schema["additionalProperties"], f"{path}.*")
+
+
+@pytest.mark.parametrize("version", KUBE_VERSIONS)
+def test_crd_is_a_valid_custom_resource_definition(version: str) -> None:
+    kubernetes_validate.validate(load_crd(), version, strict=True)
+
+
+def test_crd_schema_is_structural_and_closed() -> None:
+    """Every node has a type (or is int-or-string), and every object with properties rejects unknown ones."""
+    for path, node in walk(spec_schema()):
+        assert "type" in node or node.get("x-kubernetes-int-or-string"), path
+        if node.get("type") == "object" and "properties" in node:
+            assert node.get("additionalProperties") is False, f"{path} accepts unknown fields"
+
+
+def test_crd_has_status_subresource_and_printer_columns() -> None:
+    (version,) = load_crd()["spec"]["versions"]
+    assert version["subresources"] == {"status": {}}
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["Ready"] == '.status.conditions[?(@.type=="Ready")].status'
+    assert columns["Block"] == ".spec.blockSize" and columns["Hash"] == ".spec.hashAlgorithm"
+
+
+def test_empty_spec_gets_every_default() -> None:
+    defaulted = apply_defaults(spec_schema(), {})
+    assert defaulted == {
+        "image": "prefixcache/prefixcache:0.1.0", "imagePullPolicy": "IfNotPresent", "replicas": 1,
+        "model": {"source": "Embedded", "path": "", "id": "SmolLM2-135M-Instruct"},
+        "blockSize": 16, "hashAlgorithm": "sha256", "enablePrefixCaching": True, "maxNumSeqs": 256,
+        "kvCacheMemory": "2Gi",
+        "worker": {"gpus": 1, "gpuResource": "nvidia.com/gpu", "dtype": "auto", "attentionBackend": "auto",
+                   "resources": {}},
+        "scheduler": {"resources": {}}, "tokenizer": {"replicas": 1, "resources": {}},
+        "terminationGracePeriodSeconds": 60,
+    }
+
+
+def test_defaults_fill_gaps_but_keep_given_values() -> None:
+    spec = parse_spec({"blockSize": 32, "worker": {"gpus": 2}, "kvCacheMemory": "8Gi",
+                       "tenantSalts": {"secretName": "tenant-salts"}, "otel": {"endpoint": "http://otel:4317"}})
+    assert spec.block_size == 32 and spec.worker.gpus == 2 and spec.worker.gpu_resource == "nvidia.com/gpu"
+    assert spec.kv_cache_memory_bytes == 8 * 2**30
+    assert spec.tenant_salts_secret == "tenant-salts" and spec.otel_endpoint == "http://otel:4317"
+
+
+@pytest.mark.parametrize(("raw", "field"), [
+    pytest.param({"blockSize": 24}, "spec.blockSize: must be one of", id="block-size-not-power-of-two"),
+    pytest.param({"blockSize": 512}, "spec.blockSize: must be one of", id="block-size-too-large"),
+    pytest.param({"hashAlgorithm": "md5"}, "spec.hashAlgorithm: must be one of", id="hash-algorithm"),
+    pytest.param({"replicas": -1}, "spec.replicas: -1 is less than the minimum", id="replicas"),
+    pytest.param({"maxNumSeqs": 0}, "spec.maxNumSeqs: 0 is less than the minimum", id="max-num-seqs"),
+    pytest.param({"enablePrefixCaching": "yes"}, "spec.enablePrefixCaching: 'yes' is not of type 'boolean'",
+                 id="prefix-caching-flag"),
+    pytest.param({"kvCacheMemory": "lots"}, "spec.kvCacheMemory: 'lots' does not match", id="kv-quantity"),
+    pytest.param({"kvCacheMemory": "1.5"}, "spec.kvCacheMemory: '1.5' must be a positive whole number",
+                 id="kv-fraction-of-a-byte"),
+    pytest.param({"worker": {"gpus": 17}}, "spec.worker.gpus: 17 is greater than the maximum", id="gpus"),
+    pytest.param({"worker": {"dtype": "int4"}}, "spec.worker.dtype: must be one of", id="dtype"),
+    pytest.param({"model": {"source": "Hub"}}, "spec.model.source: must be one of", id="model-source"),
+    pytest.param({"model": {"source": "PersistentVolumeClaim"}},
+                 "spec.model: model.claimName is required when model.source is PersistentVolumeClaim",
+                 id="pvc-without-claim"),
+    pytest.param({"model": {"claimName": "models"}},
+                 "spec.model: model.claimName is only allowed when model.source is PersistentVolumeClaim",
+                 id="claim-for-embedded"),
+    pytest.param({"model": {"source": "PersistentVolumeClaim", "claimName": "m", "path": "a/../../etc"}},
+                 "spec.model.path: model.path must be relative", id="path-escapes-claim"),
+    pytest.param({"tenantSalts": {"secretName": "s", "salts": {"acme": "x"}}}, "spec.tenantSalts.salts: unknown field",
+                 id="inline-salts-refused"),
+    pytest.param({"tenantSalts": {}}, "spec.tenantSalts: 'secretName' is a required property", id="salts-no-secret"),
+    pytest.param({"otel": {"endpoint": "otel:4317"}}, "spec.otel.endpoint: 'otel:4317' does not match",
+                 id="otel-endpoint-scheme"),
+    pytest.param({"blocksize": 16}, "spec.blocksize: unknown field", id="typo"),
+    pytest.param({"worker": {"resources": {"limits": {"memory": "lots"}}}},
+                 "spec.worker.resources.limits.memory: 'lots' does not match", id="resource-quantity"),
+])
+def test_invalid_spec_names_the_field(raw: dict[str, Any], field: str) -> None:
+    with pytest.raises(SpecError) as error:
+        parse_spec(raw)
+    assert any(problem.startswith(field) for problem in error.value.problems), error.value.problems
+    assert isinstance(error.value, ValueError)
+
+
+def test_every_problem_is_reported_at_once() -> None:
+    with pytest.raises(SpecError) as error:
+        parse_spec({"blockSize": 3, "hashAlgorithm": "md5", "replicas": 1000})
+    assert [p.split(":")[0] for p in error.value.problems] == ["spec.blockSize", "spec.hashAlgorithm", "spec.replicas"]
+
+
+def test_python_rules_mirror_every_cel_rule_of_the_crd() -> None:
+    """The API server enforces x-kubernetes-validations; the operator enforces the same messages itself."""
+    cel_messages = {rule["message"] for _, node in walk(spec_schema())
+                    for rule in node.get("x-kubernetes-validations", [])}
+    violations = [
+        {"model": {"source": "PersistentVolumeClaim"}},
+        {"model": {"claimName": "models"}},
+        {"model": {"source": "PersistentVolumeClaim", "claimName": "m", "path": "/abs"}},
+    ]
+    reported = set()
+    for raw in violations:
+        with pytest.raises(SpecError) as error:
+            parse_spec(raw)
+        reported |= {re.sub(r"^[\w.]+: ", "", p) for p in error.value.problems}
+    assert cel_messages == reported
+
+
+@pytest.mark.parametrize("path", ["", "smollm2", "hf/SmolLM2-135M", "a..b/c", "models/v1.2"])
+def test_model_paths_inside_the_claim_are_accepted(path: str) -> None:
+    spec = parse_spec({"model": {"source": "PersistentVolumeClaim", "claimName": "models", "path": path}})
+    assert spec.model.path == path and spec.model.claim_name == "models"
