@@ -74,7 +74,7 @@ class SchedulerMetrics(Collector):
         stats = self._scheduler.kv_cache.stats()
         blocks = GaugeMetricFamily(
             f"{PREFIX}_kv_blocks",
-            "KV blocks by state: used (held by requests), cached (free, still holding reusable KV), free.",
+            "KV blocks: used (held by requests), free (including cached ones no request holds), cached (holding reusable KV, used or free).",
             labels=["state"],
         )
         blocks.add_metric(["used"], stats.used_blocks)

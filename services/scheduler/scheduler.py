@@ -175,8 +175,10 @@ class Scheduler:
             budget -= self._mark_scheduled(request, num_new, step)
 
         for event in self.kv_cache.drain_events():
+            if event.evicting_request_id is None:
+                continue  # dropped by a cache reset, not by an allocation
             self.counters.evictions += 1
-            evictor = self.requests.get(event.evictor_request_id)
+            evictor = self.requests.get(event.evicting_request_id)
             if evictor is not None:
                 evictor.pending_evictions.append(event)
         self.counters.steps += 1

@@ -54,9 +54,18 @@ def generate_all(runner, num_kv_blocks: int, concurrent: bool, **config):
     return asyncio.run(asyncio.wait_for(main(), 120))
 
 
-def test_batching_caching_and_preemption_keep_greedy_output_unchanged(runner):
-    reference, _ = generate_all(runner, 64, concurrent=False, enable_prefix_caching=False, max_num_seqs=1)
-    batched, preemptions = generate_all(runner, 30, concurrent=True, max_num_batched_tokens=16)
+@pytest.fixture(scope="module")
+def reference(runner):
+    """One request at a time, caching off: nothing shared, nothing preempted."""
+    outputs, _ = generate_all(runner, 64, concurrent=False, enable_prefix_caching=False, max_num_seqs=1)
+    return outputs
+
+
+# A budget of 16 chunks every prompt; with 512, all six are admitted in one step and the later ones
+# hit the shared blocks the first one computes in that same step.
+@pytest.mark.parametrize("token_budget", [16, 512])
+def test_batching_caching_and_preemption_keep_greedy_output_unchanged(runner, reference, token_budget):
+    batched, preemptions = generate_all(runner, 30, concurrent=True, max_num_batched_tokens=token_budget)
 
     def tokens(outputs):
         return [t for o in outputs for t in o.new_token_ids]

@@ -147,8 +147,8 @@ def test_preemption_frees_the_newest_request_which_then_hits_the_cache_again():
     assert step.num_scheduled_tokens == {"a": 1}
     assert [(r.request_id, r.new_block_ids) for r in step.cached_requests] == [("a", [3])]
     assert [r.request_id for r in scheduler.waiting] == ["b"] and step.new_requests == []
-    [event] = scheduler.kv_cache.drain_events() or scheduler.requests["a"].pending_evictions
-    assert (event.evictor_request_id, event.storer_request_id) == ("a", "b")
+    [event] = scheduler.requests["a"].pending_evictions
+    assert (event.evicting_request_id, event.storing_request_id) == ("a", "b")
     assert scheduler.counters.preemptions == 1 and scheduler.counters.evictions == 1
     outputs = answer(scheduler, step)
     assert outputs[0].evictions == (event,)
