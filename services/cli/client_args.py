@@ -1,0 +1,57 @@
+"""Options and error reporting shared by the client subcommands (generate, chat, stats)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from prefixcache.services.common.engine_client import DEFAULT_TARGET
+
+
+def add_target(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=DEFAULT_TARGET, metavar="HOST:PORT", help=f"Engine API (default {DEFAULT_TARGET})")
+
+
+def add_sampling(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, help="most tokens to generate (default: up to the model's length)")
+    group.add_argument("--temperature", type=float, help="0 is greedy (default 1.0)")
+    group.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1] (default 1.0)")
+    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
+    group.add_argument("--seed", type=int, help="per-request seed for reproducible sampling")
+    group.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    group.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID", help="stop token id (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+    isolation = parser.add_mutually_exclusive_group()
+    isolation.add_argument("--cache-salt", help="share cached prefixes only with requests using this salt")
+    isolation.add_argument("--tenant", help="share cached prefixes only within this tenant (salt derived server-side)")
+    parser.add_argument("--lora-adapter", default="", help="LoRA adapter name (default: the base model)")
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    return {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "stop": args.stop,
+        "stop_token_ids": args.stop_token_id,
+        "ignore_eos": args.ignore_eos,
+        "cache_salt": args.cache_salt,
+        "tenant": args.tenant,
+        "lora_adapter": args.lora_adapter,
+    }
+
+
+def report_rpc_errors(main: Callable[[], Awaitable[int]]) -> int:
+    """Run `main`; a failed call prints the server's status code and message and exits 1."""
+    import asyncio
+
+    try:
+        return asyncio.run(main())
+    except grpc.aio.AioRpcError as error:
+        print(f"error: {error.code().name}: {error.details()}", file=sys.stderr)
+        return 1

@@ -1,0 +1,62 @@
+"""`prefixcache generate "PROMPT"`: stream one completion, then print the usage.
+
+With `--system FILE` the prompt becomes a chat (system message from the file, then the prompt as
+the user's message), rendered with the model's chat template; `--chat` does the same without a
+system message. `--json` prints one JSON object at the end instead of streaming.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from prefixcache.services.cli.client_args import add_sampling, add_target, report_rpc_errors, sampling_kwargs
+from prefixcache.services.common.engine_client import Completion, EngineClient, build_request
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="the prompt text")
+    add_target(parser)
+    parser.add_argument("--system", type=Path, metavar="FILE", help="system prompt file (makes the request a chat)")
+    parser.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    parser.add_argument("--request-id", default="", help="client request id (default: server-assigned)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    add_sampling(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.system is not None:
+        messages = [("system", args.system.read_text()), ("user", args.prompt)]
+        request = build_request(messages=messages, request_id=args.request_id, **sampling_kwargs(args))
+    elif args.chat:
+        request = build_request(messages=[("user", args.prompt)], request_id=args.request_id, **sampling_kwargs(args))
+    else:
+        request = build_request(text=args.prompt, request_id=args.request_id, **sampling_kwargs(args))
+
+    async def main() -> int:
+        completion = Completion()
+        async with EngineClient(args.target) as engine:
+            async for chunk in engine.generate(request):
+                completion.add(chunk)
+                if not args.json:
+                    print(chunk.text, end="", flush=True)
+        if args.json:
+            print(json.dumps(completion.as_dict()))
+        else:
+            print()
+            print_usage(completion)
+        return 0
+
+    return report_rpc_errors(main)
+
+
+def print_usage(completion: Completion) -> None:
+    usage = completion.usage
+    account = completion.cache_account
+    reason = f", cache: {account.miss_reason}" if account is not None and account.miss_reason else ""
+    print(
+        f"[{completion.finish_reason}] prompt {usage.prompt_tokens} tokens ({usage.cached_tokens} cached{reason}), "
+        f"completion {usage.completion_tokens} tokens",
+        file=sys.stderr,
+    )

@@ -1,0 +1,178 @@
+"""The three services as separate local processes on loopback: what `serve` and the e2e tests run.
+
+Each service is `python -m prefixcache.services.cli.main <service> ...` with its own log file. The
+tokenizer and worker take free loopback ports; the scheduler (the Engine API) takes the port given.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prefixcache.services.common.grpc_client import wait_until_serving
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A port nothing listens on right now (the usual small race with other processes applies)."""
+    with socket.socket() as probe:
+        probe.bind((LOOPBACK, 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    argv: list[str]
+    address: str  # HOST:PORT clients use
+    log_path: Path
+    process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "prefixcache.services.cli.main", *self.argv],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def terminate(self) -> None:
+        if self.running:
+            self.process.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.running:
+            self.process.kill()
+            self.process.wait()
+
+    def wait(self, timeout_s: float) -> int | None:
+        """Exit status, killing the process if it is still running after `timeout_s`."""
+        if self.process is None:
+            return None
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return self.process.returncode
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclass
+class PlatformConfig:
+    model_dir: Path
+    log_dir: Path
+    engine_port: int = 50051
+    engine_host: str = "localhost"
+    dtype: str = "float32"
+    kv_cache_memory: str = "1GiB"
+    scheduler_args: list[str] = field(default_factory=list)  # extra flags, e.g. ["--no-prefix-caching"]
+    worker_args: list[str] = field(default_factory=list)
+
+
+class LocalPlatform:
+    """Tokenizer, worker and scheduler processes. Use `start()`, `wait_ready()`, `stop()`."""
+
+    def __init__(self, config: PlatformConfig):
+        self.config = config
+        config.log_dir.mkdir(parents=True, exist_ok=True)
+        tokenizer_port, worker_port = free_port(), free_port()
+        model = ["--model-dir", str(config.model_dir)]
+        self.tokenizer = ServiceProcess(
+            "tokenizer",
+            ["tokenizer", "--host", LOOPBACK, "--port", str(tokenizer_port), *model],
+            f"{LOOPBACK}:{tokenizer_port}",
+            config.log_dir / "tokenizer.log",
+        )
+        self.worker = ServiceProcess(
+            "worker",
+            [
+                "worker", "--host", LOOPBACK, "--port", str(worker_port), *model,
+                "--dtype", config.dtype, "--kv-cache-memory", config.kv_cache_memory, *config.worker_args,
+            ],  # fmt: skip
+            f"{LOOPBACK}:{worker_port}",
+            config.log_dir / "worker.log",
+        )
+        self.scheduler = ServiceProcess(
+            "scheduler",
+            [
+                "scheduler", "--host", config.engine_host, "--port", str(config.engine_port),
+                "--tokenizer", self.tokenizer.address, "--worker", self.worker.address, *config.scheduler_args,
+            ],  # fmt: skip
+            f"{'127.0.0.1' if config.engine_host == 'localhost' else config.engine_host}:{config.engine_port}",
+            config.log_dir / "scheduler.log",
+        )
+
+    @property
+    def services(self) -> tuple[ServiceProcess, ...]:
+        return (self.tokenizer, self.worker, self.scheduler)
+
+    @property
+    def engine_address(self) -> str:
+        return self.scheduler.address
+
+    def start(self) -> None:
+        for service in self.services:
+            service.start()
+
+    async def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Until every service reports SERVING; RuntimeError naming the service that exited."""
+        deadline = time.monotonic() + timeout_s
+        for service in self.services:
+            await self.wait_serving(service, max(1.0, deadline - time.monotonic()))
+
+    async def wait_serving(self, service: ServiceProcess, timeout_s: float) -> None:
+        waiting = asyncio.ensure_future(wait_until_serving(service.address, timeout_s))
+        try:
+            while not waiting.done():
+                if not service.running:
+                    raise RuntimeError(
+                        f"the {service.name} exited with status {service.process.returncode}:\n{service.log_tail()}"
+                    )
+                await asyncio.sleep(0.1)
+            waiting.result()
+        finally:
+            waiting.cancel()
+
+    def exited(self) -> ServiceProcess | None:
+        """A service that is no longer running, if any."""
+        return next((s for s in self.services if not s.running), None)
+
+    def stop(self, grace_s: float = 15.0) -> dict[str, int | None]:
+        """SIGTERM the scheduler first (it drains), then the others; exit status per service."""
+        statuses = {}
+        self.scheduler.terminate()
+        statuses["scheduler"] = self.scheduler.wait(grace_s)
+        for service in (self.worker, self.tokenizer):
+            service.terminate()
+        for service in (self.worker, self.tokenizer):
+            statuses[service.name] = service.wait(grace_s)
+        return statuses
+
+    def restart_worker(self) -> None:
+        """Start the worker again on the same port (after it died or was killed)."""
+        self.worker.kill()
+        self.worker.start()
+
+
+def default_log_dir() -> Path:
+    from prefixcache.services.common.model_store import model_home
+
+    return model_home() / "logs" / f"serve-{os.getpid()}"
