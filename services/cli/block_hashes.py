@@ -1,0 +1,73 @@
+"""`prefixcache block-hashes`: print the block hashes of token ids read from stdin.
+
+Reads a JSON array of token ids and prints one lowercase hex hash per full block, so a user can
+see where two prompts stop sharing blocks and compare against the engine's eviction events.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from prefixcache.services.common.block_identity import HASH_ALGOS, BlockExtras, BlockHasher, MultiModalItem
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block (a power of two)")
+    parser.add_argument("--hash-algo", choices=HASH_ALGOS, default="sha256")
+    parser.add_argument("--model-id", required=True, help="the model id the engine was started with")
+    parser.add_argument("--cache-salt", help="the request's cache salt (a secret: prefer a private shell)")
+    parser.add_argument("--lora", metavar="NAME:DIGEST", help="LoRA adapter name and its weights digest in hex")
+    parser.add_argument("--mm", metavar="ID:OFFSET:LENGTH", action="append", default=[],
+                        help="a multimodal item (repeatable, in prompt order)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        token_ids = _read_token_ids(sys.stdin.read())
+        hasher = BlockHasher(args.block_size, args.hash_algo, args.model_id)
+        extras = BlockExtras(*_parse_lora(args.lora), mm_items=tuple(map(_parse_mm, args.mm)),
+                             cache_salt=args.cache_salt)
+        hashes = hasher.hash_blocks(token_ids, extras)
+    except ValueError as error:
+        print(f"prefixcache block-hashes: error: {error}", file=sys.stderr)
+        return 2
+    if args.hash_algo == "xxhash" and "PYTHONHASHSEED" not in os.environ:
+        print("prefixcache block-hashes: warning: xxhash is seeded randomly per process; set PYTHONHASHSEED "
+              "to the engine's value to reproduce its hashes", file=sys.stderr)
+    sys.stdout.write("".join(block_hash.hex() + "\n" for block_hash in hashes))
+    return 0
+
+
+def _read_token_ids(text: str) -> list[int]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"stdin is not JSON: {error}") from None
+    if not isinstance(value, list):
+        raise ValueError("stdin must be a JSON array of token ids")
+    for index, token in enumerate(value):
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"token_ids[{index}] = {token!r} is not a non-negative integer")
+    return value
+
+
+def _parse_lora(spec: str | None) -> tuple[str | None, bytes | None]:
+    if spec is None:
+        return None, None
+    name, separator, digest = spec.rpartition(":")
+    if not separator or not name:
+        raise ValueError(f"--lora must be NAME:DIGEST, got {spec!r}")
+    try:
+        return name, bytes.fromhex(digest)
+    except ValueError:
+        raise ValueError(f"--lora digest must be hex, got {digest!r}") from None
+
+
+def _parse_mm(spec: str) -> MultiModalItem:
+    identifier, offset, length = (spec.rsplit(":", 2) + ["", ""])[:3]
+    try:
+        return MultiModalItem(identifier, int(offset), int(length))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"--mm {spec!r}: expected ID:OFFSET:LENGTH ({error})") from None

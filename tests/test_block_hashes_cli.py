@@ -1,0 +1,71 @@
+"""`prefixcache block-hashes`, run as a real process."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from prefixcache.services.common.block_identity import BlockExtras, BlockHasher, MultiModalItem
+
+VECTORS = {v["name"]: v for v in json.loads((Path(__file__).parent / "block_identity_vectors.json").read_text())["vectors"]}
+
+
+def block_hashes(*args: str, stdin: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "prefixcache.services.cli.main", "block-hashes", *args],
+                          input=stdin, capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_prints_one_hex_hash_per_full_block_matching_the_golden_vector():
+    vector = VECTORS["plain-sha256"]
+    result = block_hashes("--block-size", "4", "--model-id", vector["model_id"], stdin=json.dumps(vector["tokens"]))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == vector["hashes"]
+
+
+def test_salt_lora_and_mm_options():
+    lora = VECTORS["lora"]
+    result = block_hashes("--block-size", "4", "--model-id", lora["model_id"],
+                          "--lora", f"{lora['extras']['lora_name']}:{lora['extras']['lora_digest']}",
+                          stdin=json.dumps(lora["tokens"]))
+    assert result.stdout.splitlines() == lora["hashes"]
+    salted = VECTORS["salted"]
+    result = block_hashes("--block-size", "4", "--model-id", salted["model_id"],
+                          "--cache-salt", salted["extras"]["cache_salt"], stdin=json.dumps(salted["tokens"]))
+    assert result.stdout.splitlines() == salted["hashes"]
+    result = block_hashes("--block-size", "4", "--model-id", "m", "--mm", "img:5f3c:2:5", stdin="[1,2,3,4,5,6,7,8]")
+    expected = BlockHasher(4, "sha256", "m").hash_blocks(list(range(1, 9)),
+                                                          BlockExtras(mm_items=(MultiModalItem("img:5f3c", 2, 5),)))
+    assert result.stdout.splitlines() == [h.hex() for h in expected]
+
+
+def test_xxhash_reproduces_a_pinned_pythonhashseed():
+    vector = VECTORS["xxhash-pythonhashseed-0"]
+    env = dict(os.environ, PYTHONHASHSEED=vector["pythonhashseed"])
+    result = block_hashes("--block-size", "4", "--hash-algo", "xxhash", "--model-id", vector["model_id"],
+                          stdin=json.dumps(vector["tokens"]), env=env)
+    assert result.stdout.splitlines() == vector["hashes"]
+    assert result.stderr == ""
+
+
+def test_bad_input_exits_2_with_a_message_naming_the_problem():
+    cases = [
+        (("--block-size", "12", "--model-id", "m"), "[1]", "block_size"),
+        (("--model-id", "m"), "[1, -2]", "token_ids[1]"),
+        (("--model-id", "m"), "{\"a\": 1}", "JSON array"),
+        (("--model-id", "m"), "not json", "not JSON"),
+        (("--model-id", "m", "--lora", "adapter"), "[1]", "NAME:DIGEST"),
+        (("--model-id", "m", "--mm", "img:x:3"), "[1]", "--mm"),
+    ]
+    for args, stdin, message in cases:
+        result = block_hashes(*args, stdin=stdin)
+        assert result.returncode == 2, (args, result.stderr)
+        assert message in result.stderr
+        assert result.stdout == ""
+
+
+def test_the_salt_is_never_echoed():
+    result = block_hashes("--model-id", "m", "--cache-salt", "hunter2", stdin="[1, -1]")
+    assert result.returncode == 2
+    assert "hunter2" not in result.stderr + result.stdout
