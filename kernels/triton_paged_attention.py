@@ -136,6 +136,8 @@ def paged_attention(
             f"query {tuple(query.shape)} does not fit key_cache {tuple(key_cache.shape)}: head_dim must match "
             "and num_q_heads must be a multiple of num_kv_heads"
         )
+    if key_cache.dtype != query.dtype:
+        raise ValueError(f"query is {query.dtype} but the caches are {key_cache.dtype}: they must match")
     if value_cache.shape != key_cache.shape or value_cache.stride() != key_cache.stride():
         raise ValueError("key_cache and value_cache must share one shape and layout")
     if query.stride(-1) != 1 or key_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
@@ -175,6 +177,7 @@ def paged_attention(
         TILE_KV=tile_kv,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        # Full fp32 products for fp32 inputs (Triton would default to tf32); 16-bit inputs use the default.
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
     )
     return output

@@ -1,0 +1,51 @@
+"""Per-layer cost of the torch attention path on CPU, at SmolLM2's attention shape.
+
+Run by hand: `.venv/bin/python benchmarks/kernels_cpu.py`. For each case it checks the torch backend
+against the reference, then times one layer's `write_kv` + `attend` (the per-step plan is built once
+and reused by all layers, so it is timed apart) beside SDPA over dense, unpaged tensors of the same size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attention_cases import CASES, dense_sdpa, make_inputs, median_ms, print_table
+from prefixcache.kernels import get_attention_backend, paged_attention_reference
+from prefixcache.kernels.torch_attention import TorchAttentionPlan
+
+
+def main() -> int:
+    backend = get_attention_backend("torch", "cpu")
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for case in CASES:
+            inputs = make_inputs(case, dtype, "cpu")
+            meta = inputs.meta
+            layer_args = (inputs.query, inputs.key, inputs.value, inputs.key_cache, inputs.value_cache, meta)
+
+            def layer() -> torch.Tensor:
+                backend.write_kv(inputs.key, inputs.value, inputs.key_cache, inputs.value_cache, meta)
+                return backend.attend(*layer_args, inputs.scale)
+
+            output = layer()
+            expected = paged_attention_reference(
+                inputs.query, inputs.key_cache, inputs.value_cache, meta.query_lens_list, meta.seq_lens_list,
+                meta.block_tables.tolist(), inputs.scale,
+            )
+            error = ((output.float() - expected.float()).norm() / expected.float().norm()).item()
+            plan_ms = median_ms(lambda: TorchAttentionPlan.build(meta, inputs.key_cache.shape[1]))
+            layer_ms = median_ms(layer)
+            dense_ms = median_ms(dense_sdpa(case, dtype, "cpu"))
+            rows.append([
+                case.name, str(dtype).removeprefix("torch."), f"{layer_ms:.3f}", f"{dense_ms:.3f}",
+                f"{layer_ms / dense_ms:.2f}", f"{plan_ms:.3f}", f"{error:.1e}",
+            ])
+    print(f"torch attention path, one layer, {torch.get_num_threads()} threads (medians, ms)")
+    print_table(
+        ["case", "dtype", "write+attend", "dense SDPA", "ratio", "plan/step", "rel err"], rows
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
