@@ -316,7 +316,7 @@ class EngineCore:
             try:
                 info = await self._executor.initialize(self.config.block_size)
                 break
-            except WorkerUnavailable as retry_error:
+            except Exception as retry_error:  # not back yet, or back but failing: keep trying
                 log.info("worker not back yet (%s); retrying in %.2fs", retry_error, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, longest)

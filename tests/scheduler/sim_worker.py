@@ -75,6 +75,7 @@ class SimulatedWorker:
         self.failures_pending = 0
         self.down_for = 0
         self.up = False
+        self.answer_wrongly_next = False  # the next answer names another step (a confused worker)
 
     def fail_next_step(self, down_for: int = 0) -> None:
         self.failures_pending += 1
@@ -102,7 +103,11 @@ class SimulatedWorker:
             self.kv_memory.clear()
             raise WorkerUnavailable("simulated worker crashed")
         self.steps.append(step)
-        return self.run(step)
+        output = self.run(step)
+        if self.answer_wrongly_next:
+            self.answer_wrongly_next = False
+            return StepOutput(step.step_id + 1, output.sampled_token_ids)
+        return output
 
     def run(self, step: SchedulerStep) -> StepOutput:
         for request_id in step.finished_request_ids:

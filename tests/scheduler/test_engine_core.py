@@ -166,6 +166,21 @@ def test_worker_loss_fails_in_flight_requests_and_a_restarted_worker_serves_with
     run(body)
 
 
+def test_a_worker_answer_that_does_not_fit_the_step_is_handled_as_a_lost_worker():
+    async def body(engine, worker):
+        stream = engine.add_request(request("confused", range(20), max_tokens=200))
+        await anext(stream)
+        worker.answer_wrongly_next = True
+        with pytest.raises(EngineUnavailable):
+            await collect(stream)
+        while not engine.is_serving:
+            await asyncio.sleep(0.01)
+        assert worker.initializations == 2
+        assert len(tokens_of(await collect(engine.add_request(request("fine", range(20)))))) == 6
+
+    run(body)
+
+
 @pytest.mark.parametrize(
     ("make", "field"),
     [
@@ -249,3 +264,15 @@ def test_metrics_expose_cache_and_queue_counters():
         assert "prefixcache_requests_running 0.0" in text
 
     run(body)
+
+
+def test_the_engine_core_imports_no_torch_and_no_grpc():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, prefixcache.services.scheduler.engine_core, prefixcache.services.scheduler.local_executor\n"
+        "print(sorted(m for m in ('torch', 'grpc', 'triton') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
