@@ -276,3 +276,22 @@ def test_the_engine_core_imports_no_torch_and_no_grpc():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_reset_prefix_cache_is_refused_while_blocks_are_held_and_empties_the_cache_when_idle():
+    prompt = list(range(200, 230))
+
+    async def body(engine, worker):
+        await collect(engine.add_request(request("a", prompt)))
+        assert engine.cache_stats().cached_blocks > 0
+        stream = engine.add_request(request("busy", range(400, 420), max_tokens=200))
+        await anext(stream)
+        assert engine.reset_prefix_cache() is False
+        engine.abort("busy")
+        await collect(stream)
+        assert engine.reset_prefix_cache() is True
+        assert engine.cache_stats().cached_blocks == 0
+        outputs = await collect(engine.add_request(request("b", prompt)))
+        assert outputs[-1].usage.cached_tokens == 0
+
+    run(body)
