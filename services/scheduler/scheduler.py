@@ -116,8 +116,17 @@ class Scheduler:
         self._next_step_id += 1
         self._dropped_ids = []
         self._in_flight = {}
-        budget = self.config.max_num_batched_tokens
+        budget, preempted = self._schedule_running(step, self.config.max_num_batched_tokens)
+        if not preempted:  # admitting while preempting would only evict what running requests need
+            self._admit_waiting(step, budget)
+        self._collect_evictions()
+        self.counters.steps += 1
+        self.counters.scheduled_tokens += step.total_scheduled_tokens
+        return step
 
+    def _schedule_running(self, step: SchedulerStep, budget: int) -> tuple[int, bool]:
+        """Give each running request, oldest first, its next tokens; preempt the newest for room.
+        Returns the budget left and whether anyone was preempted."""
         preempted = False
         index = 0
         while index < len(self.running) and budget > 0:
@@ -129,29 +138,24 @@ class Scheduler:
                 self._preempt(victim, step)
                 preempted = True
                 if victim is request:
-                    break
+                    return budget, preempted  # it was the newest: nobody after it is left
                 new_block_ids = self.kv_cache.allocate_slots(request.kv, num_new)
-            if new_block_ids is None:
-                break  # the request preempted itself; it was the last running one
             step.cached_requests.append(
                 CachedRequestData(request.request_id, list(new_block_ids), request.num_computed_tokens)
             )
             budget -= self._mark_scheduled(request, num_new, step)
             index += 1
+        return budget, preempted
 
-        # Admitting while preempting would only evict what the running requests need next.
-        while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
+    def _admit_waiting(self, step: SchedulerStep, budget: int) -> None:
+        """Admit waiting requests in order, each taking its cached prefix, while room remains."""
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hit_block_ids, account = self.kv_cache.get_computed_blocks(request.kv)
             num_hit_tokens = len(hit_block_ids) * self.kv_cache.block_size
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if self.kv_cache.allocate_slots(request.kv, num_new, hit_block_ids) is None:
-                break
+                return
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -166,7 +170,7 @@ class Scheduler:
                 NewRequestData(
                     request_id=request.request_id,
                     token_ids=list(request.kv.token_ids),
-                    block_ids=list(self.kv_cache.get_block_ids(request.request_id)),
+                    block_ids=self.kv_cache.get_block_ids(request.request_id),
                     num_computed_tokens=num_hit_tokens,
                     sampling=request.sampling,
                 )
@@ -174,6 +178,8 @@ class Scheduler:
             request.known_to_worker = True
             budget -= self._mark_scheduled(request, num_new, step)
 
+    def _collect_evictions(self) -> None:
+        """Count this step's evictions and hand each to the request whose allocation caused it."""
         for event in self.kv_cache.drain_events():
             if event.evicting_request_id is None:
                 continue  # dropped by a cache reset, not by an allocation
@@ -181,9 +187,6 @@ class Scheduler:
             evictor = self.requests.get(event.evicting_request_id)
             if evictor is not None:
                 evictor.pending_evictions.append(event)
-        self.counters.steps += 1
-        self.counters.scheduled_tokens += step.total_scheduled_tokens
-        return step
 
     def _mark_scheduled(self, request: Request, num_new: int, step: SchedulerStep) -> int:
         step.num_scheduled_tokens[request.request_id] = num_new
