@@ -26,7 +26,8 @@ class BlockPool:
       happens only when b is popped from the free queue for a new allocation (or on reset).
     - `cached` maps a hash to one block holding it. Two requests computing the same block at the
       same time produce two blocks with one hash; block tables are append-only, so neither is
-      merged away: the extra ones wait in `_duplicates` and take over when the first is evicted.
+      merged away: the later ones wait in `_duplicates` and the oldest takes over when the block
+      in `cached` is evicted.
     """
 
     def __init__(self, num_blocks: int, evicted_history: int, max_pending_events: int) -> None:
@@ -82,7 +83,7 @@ class BlockPool:
             self._remember_eviction(block_hash)
         else:
             if self.cached[block_hash] == block_id:
-                self.cached[block_hash] = duplicates.pop()
+                self.cached[block_hash] = duplicates.pop(0)
             else:
                 duplicates.remove(block_id)
             if not duplicates:

@@ -236,6 +236,15 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self._pool.num_free_blocks
 
+    def free_block_ids(self) -> list[int]:
+        """Free blocks in allocation (and eviction) order, head first. O(free blocks)."""
+        return list(self._pool.free_queue)
+
+    @property
+    def pool(self) -> BlockPool:
+        """The block pool, for inspection; change it only through the manager."""
+        return self._pool
+
     def stats(self) -> CacheStats:
         pool = self._pool
         free = pool.num_free_blocks
