@@ -7,7 +7,10 @@ Per step, the batch splits three ways (`TorchAttentionPlan`, built once and shar
 - prefill chunks with cached context gather their whole sequence from the cache (this step's tokens
   included: they were written first) and attend under an explicit mask, since SDPA's `is_causal`
   aligns the diagonal top-left and our queries sit at the end of the sequence;
-- decodes attend together, in one SDPA call, over gathers padded to the longest of them.
+- decodes attend together, a few SDPA calls for the lot: sorted by length and cut into groups whose
+  padding to their longest member wastes little (`MAX_DECODE_PADDING`). Batching is about even with
+  one call per decode on one thread (both are bound by reading the cache) and ahead with more threads
+  (one call parallelises over sequences and heads); padding a 100-token decode to 4k is not.
 
 GQA costs no copies: the query heads of one key/value head are consecutive, so a `[.., num_q_heads, D]`
 query viewed as `[.., num_kv_heads, group, D]` is a batch of `group` queries per key/value head. SDPA
@@ -17,11 +20,15 @@ only reaches its fast CPU kernel with 4-D inputs (3-D inputs run about five time
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from .metadata import AttentionMetadata
+
+# A decode group's padded size stays within this factor of the positions its members really have.
+MAX_DECODE_PADDING = 1.25
 
 
 @dataclass
@@ -36,6 +43,12 @@ class ContextPrefill:
     visible: torch.Tensor  # [query_len, seq_len] bool
 
 
+class Decode(NamedTuple):
+    seq_len: int
+    seq: int  # index in the batch
+    token: int  # row in the packed batch
+
+
 @dataclass
 class DecodeBatch:
     token_index: torch.Tensor  # [num_decodes] int64: rows of the decodes in the packed batch
@@ -47,23 +60,21 @@ class DecodeBatch:
 class TorchAttentionPlan:
     fresh_prefills: list[FreshPrefill]
     context_prefills: list[ContextPrefill]
-    decodes: DecodeBatch | None
+    decode_batches: list[DecodeBatch]
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int) -> TorchAttentionPlan:
         device = meta.block_tables.device
         fresh: list[FreshPrefill] = []
         context: list[ContextPrefill] = []
-        decode_seqs: list[int] = []
-        decode_tokens: list[int] = []
+        decodes: list[Decode] = []
         start = 0
         for seq, (query_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
             tokens = slice(start, start + query_len)
             if query_len == seq_len:
                 fresh.append(FreshPrefill(tokens))
             elif query_len == 1:
-                decode_seqs.append(seq)
-                decode_tokens.append(start)
+                decodes.append(Decode(seq_len, seq, start))
             else:
                 positions = torch.arange(seq_len, device=device)
                 kv_slots = _slots(meta.block_tables[seq], positions, block_size)
@@ -71,22 +82,38 @@ class TorchAttentionPlan:
                 visible = positions[None, :] <= query_positions[:, None]
                 context.append(ContextPrefill(tokens, kv_slots, visible))
             start += query_len
-        decodes = _decode_batch(meta, decode_seqs, decode_tokens, block_size) if decode_seqs else None
-        return cls(fresh, context, decodes)
+        batches = [_decode_batch(meta, group, block_size) for group in _group_decodes(decodes)]
+        return cls(fresh, context, batches)
 
 
 def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
     return block_table[positions // block_size].long() * block_size + positions % block_size
 
 
-def _decode_batch(
-    meta: AttentionMetadata, seqs: list[int], tokens: list[int], block_size: int
-) -> DecodeBatch:
+def _group_decodes(decodes: list[Decode]) -> list[list[Decode]]:
+    """Longest first, a decode joins the current group while the group's padding stays small."""
+    groups: list[list[Decode]] = []
+    real_positions = 0
+    for decode in sorted(decodes, reverse=True):
+        if groups:
+            group = groups[-1]
+            padded = (len(group) + 1) * group[0].seq_len
+            if padded <= MAX_DECODE_PADDING * (real_positions + decode.seq_len):
+                group.append(decode)
+                real_positions += decode.seq_len
+                continue
+        groups.append([decode])
+        real_positions = decode.seq_len
+    return groups
+
+
+def _decode_batch(meta: AttentionMetadata, group: list[Decode], block_size: int) -> DecodeBatch:
     device = meta.block_tables.device
-    lens = [meta.seq_lens_list[seq] for seq in seqs]
-    max_len = max(lens)
+    lens = [decode.seq_len for decode in group]
+    tokens = [decode.token for decode in group]
+    max_len = lens[0]
     positions = torch.arange(max_len, device=device)
-    tables = meta.block_tables[torch.tensor(seqs, device=device)]
+    tables = meta.block_tables[torch.tensor([decode.seq for decode in group], device=device)]
     blocks = tables[:, positions // block_size].long()
     kv_slots = blocks * block_size + positions % block_size
     visible = None
@@ -131,8 +158,7 @@ def attend_torch(
         keys = flat_keys.index_select(0, prefill.kv_slots)
         values = flat_values.index_select(0, prefill.kv_slots)
         output[rows] = _sdpa_prefill(query[rows], keys, values, prefill.visible, scale)
-    if plan.decodes is not None:
-        decodes = plan.decodes
+    for decodes in plan.decode_batches:
         num_decodes, max_len = decodes.kv_slots.shape
         slots = decodes.kv_slots.view(-1)
         keys = flat_keys.index_select(0, slots).view(num_decodes, max_len, num_kv_heads, head_dim)

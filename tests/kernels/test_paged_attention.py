@@ -20,7 +20,7 @@ BATCHES = [
         [(0, 7), (9, 5), (12, 1), (5, 1), (0, 1), (3, 2)],
         id="mixed",  # fresh prefill, chunks on context, decodes (one opening a new block), a 1-token prompt
     ),
-    pytest.param([(6, 1), (17, 1), (1, 1), (30, 1)], id="decodes"),  # unequal lengths: padded decode batch
+    pytest.param([(6, 1), (28, 1), (17, 1), (1, 1), (30, 1), (25, 1)], id="decodes"),  # some padded together
     pytest.param([(21, 19), (0, 18)], id="long-chunks"),  # several query tiles per sequence under GQA
 ]
 
@@ -121,7 +121,9 @@ def test_slots_outside_the_sequences_are_never_read(request, paged_batch, device
     """NaN in every slot no sequence owns (spare blocks, the tail of partial last blocks) stays out of the output."""
     if backend_name == "triton":
         request.getfixturevalue("triton_kernels")
-    batch = paged_batch([(0, 5), (6, 3), (2, 1), (9, 1)], block_size=4, num_kv_heads=1, queries_per_kv=3, head_dim=16)
+    batch = paged_batch(
+        [(0, 5), (6, 3), (2, 1), (9, 1), (7, 1)], block_size=4, num_kv_heads=1, queries_per_kv=3, head_dim=16
+    )
     meta = written(batch, device)
     owned = torch.zeros(batch.key_cache.shape[:2], dtype=torch.bool)
     for seq_len, table in zip(batch.seq_lens, batch.block_tables):
@@ -152,3 +154,15 @@ def test_triton_backend_at_model_size_on_cuda(paged_batch, relative_error, devic
     backend.write_kv(batch.key, batch.value, batch.key_cache, batch.value_cache, meta)
     output = backend.attend(batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, meta, batch.scale)
     assert relative_error(output.cpu(), reference_output(batch)) < tolerance
+
+
+def test_torch_path_groups_decodes_of_similar_length(paged_batch):
+    """Decodes of 31, 29 and 26 positions share one padded SDPA call; 4,000 and 2 positions get their own."""
+    sequences = [(30, 1), (3999, 1), (28, 1), (1, 1), (25, 1)]
+    batch = paged_batch(sequences, block_size=16, num_kv_heads=1, queries_per_kv=1, head_dim=8)
+    meta = AttentionMetadata.build(batch.query_lens, batch.seq_lens, batch.block_tables, batch.block_size, "cpu")
+    plan = TorchAttentionPlan.build(meta, batch.block_size)
+    shapes = sorted(tuple(decodes.kv_slots.shape) for decodes in plan.decode_batches)
+    assert shapes == [(1, 2), (1, 4000), (3, 31)]
+    [padded] = [decodes for decodes in plan.decode_batches if decodes.visible is not None]
+    assert padded.visible.sum(dim=-1).flatten().tolist() == [31, 29, 26]
