@@ -1,77 +1,48 @@
-"""A private local platform for the benchmark: `prefixcache serve` in a child process.
-
-Running the real `serve` command (rather than a second launcher) means the benchmark measures
-exactly what users run; extra `serve` flags pass through unchanged.
-"""
+"""A private local platform for the benchmark: the services engineer's launcher (the one behind
+`prefixcache serve`) on free loopback ports, its logs in a temporary folder."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
-import socket
-import subprocess
-import sys
+import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
 
-from prefixcache.services.common.grpc_client import wait_until_serving
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from prefixcache.services.cli.launcher import LocalPlatform, PlatformConfig, free_port
+from prefixcache.services.common.model_store import ensure_default_model
 
 
-class LocalPlatform:
-    """`async with LocalPlatform(args) as target:` serves on a free loopback port until the block ends."""
+@dataclass(frozen=True)
+class LocalSettings:
+    """What the benchmark's local platforms run with; both modes get the same except the cache."""
 
-    def __init__(self, serve_args: Sequence[str] = (), startup_timeout_s: float = 600.0, stop_grace_s: float = 30.0):
-        self._serve_args = list(serve_args)
-        self._startup_timeout_s = startup_timeout_s
-        self._stop_grace_s = stop_grace_s
-        self._process: subprocess.Popen | None = None
-        self._log = tempfile.NamedTemporaryFile(prefix="prefixcache-bench-serve-", suffix=".log", delete=False)
+    dtype: str = "float32"
+    kv_cache_memory: str = "1GiB"  # worker's KV budget; a small one makes `thrash` cheap
+    scheduler_args: tuple[str, ...] = ()  # extra scheduler flags, e.g. ("--max-num-seqs", "16")
+    startup_timeout_s: float = 300.0
 
-    async def __aenter__(self) -> str:
-        port = free_port()
-        target = f"127.0.0.1:{port}"
-        command = [sys.executable, "-m", "prefixcache.services.cli.main", "serve", "--port", str(port), *self._serve_args]
-        self._process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            await self._wait_ready(target)
-        except (RuntimeError, TimeoutError) as error:
-            tail = self.log_tail()
-            await self.__aexit__()
-            raise RuntimeError(f"local `prefixcache serve` failed: {error}\n{tail}") from None
-        return target
 
-    async def _wait_ready(self, target: str) -> None:
-        waiting = asyncio.create_task(wait_until_serving(target, self._startup_timeout_s))
-        while not waiting.done():
-            if self._process.poll() is not None:
-                waiting.cancel()
-                raise RuntimeError(f"it exited with status {self._process.returncode}")
-            await asyncio.sleep(0.2)
-        waiting.result()
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        process, self._process = self._process, None
-        if process is not None and process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.to_thread(process.wait, self._stop_grace_s)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                await asyncio.to_thread(process.wait)
-        if process is not None:
-            # serve ran in its own session: take down any service it left behind.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-        self._log.close()
-        os.unlink(self._log.name)
-
-    def log_tail(self, lines: int = 30) -> str:
-        with open(self._log.name, encoding="utf-8", errors="replace") as log:
-            return "".join(log.readlines()[-lines:])
+@contextlib.asynccontextmanager
+async def local_platform(settings: LocalSettings, prefix_caching: bool) -> AsyncIterator[str]:
+    """Start tokenizer, worker and scheduler as separate processes; yield the Engine's HOST:PORT."""
+    log_dir = Path(tempfile.mkdtemp(prefix="prefixcache-bench-"))
+    platform = LocalPlatform(
+        PlatformConfig(
+            model_dir=ensure_default_model(),
+            log_dir=log_dir,
+            engine_port=free_port(),
+            engine_host="127.0.0.1",
+            dtype=settings.dtype,
+            kv_cache_memory=settings.kv_cache_memory,
+            scheduler_args=[*settings.scheduler_args, *([] if prefix_caching else ["--no-prefix-caching"])],
+        )
+    )
+    platform.start()
+    try:
+        await platform.wait_ready(settings.startup_timeout_s)
+        yield platform.engine_address
+    finally:
+        await asyncio.to_thread(platform.stop)
+        shutil.rmtree(log_dir, ignore_errors=True)

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from prefixcache.services.bench.metrics import RequestRecord, RunSummary, ratios
+from prefixcache.services.bench.metrics import RequestRecord, RunSummary, ratio, ratios
 
 CACHE, NO_CACHE = "cache", "no_cache"
 MODE_TITLES = {CACHE: "cache", NO_CACHE: "no cache"}
@@ -87,6 +87,32 @@ def render_table(results: Mapping[str, WorkloadResult]) -> str:
         for row in rows:
             cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
             lines.append("  ".join(cells).rstrip())
+        lines.append("")
+    return "\n".join(lines)
+
+
+def render_systems(summaries: Mapping[str, Mapping[str, RunSummary]], baseline: str) -> str:
+    """Compare systems on the same workloads: `summaries[system][workload]`, one block per workload,
+    one column per system, then each other system's figure divided by `baseline`'s."""
+    systems = list(summaries)
+    if baseline not in summaries:
+        raise ValueError(f"baseline must be one of {', '.join(systems)}, got {baseline!r}")
+    others = [s for s in systems if s != baseline]
+    workloads = list(dict.fromkeys(w for per_system in summaries.values() for w in per_system))
+    lines: list[str] = []
+    for workload in workloads:
+        present = [s for s in systems if workload in summaries[s]]
+        figures = {s: summaries[s][workload].figures() for s in present}
+        compared = [s for s in others if s in present and baseline in present]
+        header = [workload] + present + [f"{s} / {baseline}" for s in compared]
+        rows = [header]
+        for label, key, fmt in ROWS:
+            row = [f"  {label}"] + [_cell(figures[s][key], fmt) for s in present]
+            row += [_cell(ratio(figures[s][key], figures[baseline][key]), "{:.2f}x") for s in compared]
+            rows.append(row)
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        for row in rows:
+            lines.append("  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]))
         lines.append("")
     return "\n".join(lines)
 

@@ -9,14 +9,10 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from prefixcache.services.bench.driver import TenantSalts, drive
 from prefixcache.services.bench.engine import EngineEndpoint, EngineFacts
-from prefixcache.services.bench.local_platform import LocalPlatform
+from prefixcache.services.bench.local_platform import LocalSettings, local_platform
 from prefixcache.services.bench.metrics import summarize
 from prefixcache.services.bench.report import CACHE, NO_CACHE, ProgressBar, WorkloadResult
 from prefixcache.services.bench.workloads import BenchRequest, WorkloadOptions, generate
-
-# The `serve` flag that turns prefix caching off on the fresh local server of the no-cache mode.
-SERVE_NO_PREFIX_CACHING = "--no-prefix-caching"
-
 
 @dataclass(frozen=True)
 class BenchConfig:
@@ -29,7 +25,7 @@ class BenchConfig:
     auto_thrash_prefixes: bool = True  # size thrash from the engine's KV pool instead of options
     warmup_requests: int = 2
     reset_between_workloads: bool | None = None  # None: only on local platforms
-    serve_args: tuple[str, ...] = ()
+    local: LocalSettings = field(default_factory=LocalSettings)
     request_timeout_s: float = 600.0
     show_progress: bool = True
 
@@ -55,6 +51,7 @@ class BenchConfig:
 class BenchOutcome:
     results: dict[str, WorkloadResult]
     description: dict[str, object] = field(default_factory=dict)  # the `config` object of the JSON
+    requests: dict[str, list[BenchRequest]] = field(default_factory=dict)  # what every mode sent
 
     @property
     def failed_requests(self) -> int:
@@ -93,8 +90,7 @@ async def _engine_target(config: BenchConfig, mode: str) -> AsyncIterator[tuple[
     elif config.target:
         yield config.target, False
     else:
-        extra = (SERVE_NO_PREFIX_CACHING,) if mode == NO_CACHE else ()
-        async with LocalPlatform([*config.serve_args, *extra]) as target:
+        async with local_platform(config.local, prefix_caching=mode == CACHE) as target:
             yield target, True
 
 
@@ -123,6 +119,7 @@ async def run_session(config: BenchConfig) -> BenchOutcome:
                     options = resolve_options(config, facts)
                     requests = {name: generate(name, options) for name in config.workloads}
                     check_fits(requests, facts)
+                    outcome.requests = requests
                     outcome.description = _describe(config, options, facts)
                 await _warm_up(endpoint, options, config.warmup_requests)
                 reset = owned if config.reset_between_workloads is None else config.reset_between_workloads

@@ -1,7 +1,8 @@
 """`prefixcache bench`: drive seeded workloads through an Engine and report what the cache buys.
 
-With no --target it starts its own local platform (`prefixcache serve` on a free port) for each
-mode, so --compare-no-cache runs on a fresh server with prefix caching off and the same settings.
+With no --target it starts its own local platform (the three services, as `prefixcache serve`
+does, on free loopback ports) for each mode, so --compare-no-cache runs on a fresh server with
+prefix caching off and otherwise the same settings.
 """
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--compare-no-cache", action="store_true", help="also run with prefix caching off and print ratios")
     where.add_argument("--no-cache-target", metavar="HOST:PORT",
                        help="with --target and --compare-no-cache: an endpoint serving with prefix caching off")
-    where.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
-                       help="extra `prefixcache serve` argument for the local platform (repeatable), e.g. --serve-arg=--num-kv-blocks=512")
+    where.add_argument("--dtype", default="float32", help="local platform: the worker's compute dtype")
+    where.add_argument("--kv-cache-memory", default="1GiB", help="local platform: the worker's KV cache budget")
+    where.add_argument("--scheduler-arg", action="append", default=[], metavar="ARG",
+                       help="local platform: extra scheduler flag (repeatable), e.g. --scheduler-arg=--max-num-seqs=16")
     where.add_argument("--reset-cache", action=argparse.BooleanOptionalAction, default=None,
                        help="reset the prefix cache before each workload (default: only on the local platform)")
 
@@ -55,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
     # Imported here so `prefixcache bench --help` stays instant.
     import grpc
 
+    from prefixcache.services.bench.local_platform import LocalSettings
     from prefixcache.services.bench.report import render_table, write_json
     from prefixcache.services.bench.session import BenchConfig, parse_workloads, run_session
 
@@ -81,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
             auto_thrash_prefixes=args.thrash_prefixes is None,
             warmup_requests=args.warmup,
             reset_between_workloads=args.reset_cache,
-            serve_args=tuple(args.serve_arg),
+            local=LocalSettings(args.dtype, args.kv_cache_memory, tuple(args.scheduler_arg)),
             request_timeout_s=args.request_timeout,
             show_progress=not args.no_progress,
         )

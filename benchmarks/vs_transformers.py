@@ -1,0 +1,160 @@
+"""prefixcache against Hugging Face transformers `generate` on the same weights, in one run.
+
+transformers serves one request at a time with a fresh KV cache each (no reuse across requests);
+prefixcache runs the same requests with its cache and, on a fresh server, without it. Prints one
+table per workload and checks the issue's targets:
+
+- shared-system-prompt: TTFT p50 at least 8x lower with the cache than without;
+- shared-system-prompt and multi-turn: request throughput at least 3x that of transformers;
+- unique: request throughput with the cache within 5% of without.
+
+Run by hand (minutes on two cores), from the repository root:
+
+    .venv/bin/python benchmarks/vs_transformers.py --num-requests 16 --json vs_transformers.json
+
+Without --target it starts local platforms itself, as `prefixcache bench` does. Both sides run the
+weights in float32 by default (the dtype the local platform reports is printed next to the table).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from prefixcache.services.bench.driver import TenantSalts, drive
+from prefixcache.services.bench.local_platform import LocalSettings
+from prefixcache.services.bench.metrics import RequestRecord, RunSummary, ratio, summarize
+from prefixcache.services.bench.report import CACHE, NO_CACHE, ProgressBar, render_systems
+from prefixcache.services.bench.session import BenchConfig, run_session
+from prefixcache.services.bench.workloads import BenchRequest, IntRange, WorkloadOptions
+from prefixcache.services.common.model_store import ensure_default_model
+
+WORKLOADS = ("shared-system-prompt", "multi-turn", "unique")
+TRANSFORMERS = "transformers"
+OURS = {CACHE: "prefixcache", NO_CACHE: "prefixcache-no-cache"}
+
+
+class TransformersEndpoint:
+    """`model.generate` behind the driver's endpoint interface: greedy, exactly max_tokens tokens
+    (EOS suppressed, as prefixcache's `ignore_eos`), one request at a time."""
+
+    def __init__(self, model_dir: Path, dtype: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self._torch = torch
+        self._model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+        self._one_at_a_time = asyncio.Lock()
+
+    async def evictions(self) -> int:
+        return 0
+
+    async def stream(self, request: BenchRequest, salt: str, clock: Callable[[], float]) -> RequestRecord:
+        async with self._one_at_a_time:
+            return await asyncio.to_thread(self._generate, request, clock)
+
+    def _generate(self, request: BenchRequest, clock: Callable[[], float]) -> RequestRecord:
+        from transformers.generation.streamers import BaseStreamer
+
+        record = RequestRecord(request_id=request.request_id, sent_s=clock())
+
+        class TokenTimes(BaseStreamer):
+            prompt_seen = False
+
+            def put(self, value) -> None:  # the first call carries the prompt, then one token per call
+                if self.prompt_seen:
+                    record.chunks.append((clock(), value.numel()))
+                self.prompt_seen = True
+
+            def end(self) -> None:
+                pass
+
+        ids = self._torch.tensor([request.prompt_token_ids])
+        with self._torch.inference_mode():
+            self._model.generate(
+                ids, attention_mask=self._torch.ones_like(ids), do_sample=False, max_new_tokens=request.max_tokens,
+                min_new_tokens=request.max_tokens, streamer=TokenTimes(), pad_token_id=0,
+            )
+        record.finished_s = clock()
+        record.prompt_tokens = len(request.prompt_token_ids)
+        record.completion_tokens = sum(n for _, n in record.chunks)
+        return record
+
+
+async def run_transformers(requests: dict[str, list[BenchRequest]], dtype: str) -> dict[str, RunSummary]:
+    endpoint = TransformersEndpoint(ensure_default_model(), dtype)
+    first = next(iter(requests.values()))[0]
+    await endpoint.stream(replace(first, request_id="warmup", max_tokens=2), "", lambda: 0.0)  # first-call costs
+    summaries = {}
+    for name, batch in requests.items():
+        bar = ProgressBar(f"{name} ({TRANSFORMERS})", len(batch))
+        run = await drive(endpoint, batch, concurrency=1, salts=TenantSalts(1), on_done=bar.advance)
+        bar.close()
+        summaries[name] = summarize(run.records)
+    return summaries
+
+
+def check_targets(summaries: dict[str, dict[str, RunSummary]]) -> list[tuple[str, float | None, float, bool]]:
+    """(target, measured, required, met) for each of the issue's targets."""
+    ours, off, hf = summaries[OURS[CACHE]], summaries[OURS[NO_CACHE]], summaries[TRANSFORMERS]
+    checks = []
+
+    def at_least(label: str, measured: float | None, required: float) -> None:
+        checks.append((label, measured, required, measured is not None and measured >= required))
+
+    ssp = "shared-system-prompt"
+    at_least(f"{ssp}: TTFT p50 without / with cache", ratio(off[ssp].ttft_ms.p50, ours[ssp].ttft_ms.p50), 8.0)
+    for name in ("shared-system-prompt", "multi-turn"):
+        at_least(f"{name}: requests/s prefixcache / transformers",
+                 ratio(ours[name].requests_per_s, hf[name].requests_per_s), 3.0)
+    at_least("unique: requests/s with / without cache", ratio(ours["unique"].requests_per_s, off["unique"].requests_per_s), 0.95)
+    return checks
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", help="a running Engine with the cache on (default: local platforms)")
+    parser.add_argument("--no-cache-target", help="with --target: the same deployment with prefix caching off")
+    parser.add_argument("--num-requests", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=8, help="prefixcache's; transformers runs one at a time")
+    parser.add_argument("--prefix-len", type=int, default=1000)
+    parser.add_argument("--suffix-len", type=IntRange.parse, default=IntRange(50, 200))
+    parser.add_argument("--turns", type=IntRange.parse, default=IntRange(4, 8))
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", help="both sides' dtype (float32 or bfloat16)")
+    parser.add_argument("--kv-cache-memory", default="1GiB", help="local platform's KV cache budget")
+    parser.add_argument("--json", help="write every summary and the target checks here")
+    args = parser.parse_args(argv)
+
+    options = WorkloadOptions(num_requests=args.num_requests, seed=args.seed, output_len=args.output_len,
+                              prefix_len=args.prefix_len, suffix_len=args.suffix_len, turns=args.turns)
+    config = BenchConfig(workloads=WORKLOADS, options=options, concurrency=args.concurrency, target=args.target,
+                         no_cache_target=args.no_cache_target, compare_no_cache=True,
+                         local=LocalSettings(dtype=args.dtype, kv_cache_memory=args.kv_cache_memory))
+    outcome = asyncio.run(run_session(config))
+    summaries = {OURS[mode]: {name: r.summaries[mode] for name, r in outcome.results.items()} for mode in (CACHE, NO_CACHE)}
+    summaries[TRANSFORMERS] = asyncio.run(run_transformers(outcome.requests, args.dtype))
+
+    print(f"engine: {outcome.description.get('engine')}; transformers dtype {args.dtype}")
+    print(render_systems(summaries, baseline=TRANSFORMERS))
+    checks = check_targets(summaries)
+    for label, measured, required, met in checks:
+        shown = "-" if measured is None else f"{measured:.2f}x"
+        print(f"{'MET ' if met else 'MISS'}  {label}: {shown} (target >= {required:.2f}x)")
+    if args.json:
+        document = {
+            "config": outcome.description,
+            "systems": {s: {w: summary.to_json() for w, summary in per.items()} for s, per in summaries.items()},
+            "targets": [{"target": l, "measured": m, "required": r, "met": ok} for l, m, r, ok in checks],
+        }
+        Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
+    return 0 if all(met for *_, met in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""`prefixcache bench` against the real local platform: three services as separate processes, real
+gRPC, the embedded model. Small sizes and concurrency 1 make every cache hit predictable."""
+import asyncio
+import json
+from dataclasses import replace
+
+import grpc
+import pytest
+
+from prefixcache.protos.engine.v1 import engine_pb2, engine_pb2_grpc
+from prefixcache.services.bench.local_platform import LocalSettings, local_platform
+from prefixcache.services.bench.session import BenchConfig, run_session
+from prefixcache.services.bench.workloads import IntRange, WorkloadOptions
+from prefixcache.services.cli import main as cli
+
+pytestmark = pytest.mark.slow
+
+BLOCK = 16
+# 18 MiB of float32 KV (46,080 bytes per token) is about 25 blocks: room for any one request here,
+# too little for the thrash prefixes.
+SETTINGS = LocalSettings(kv_cache_memory="18MiB")
+OPTIONS = WorkloadOptions(num_requests=3, prefix_len=64, suffix_len=IntRange(8, 16), output_len=3, turns=IntRange(2, 3))
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """{"cache": target, "no_cache": target}: two local platforms, started together."""
+    platforms = {"cache": local_platform(SETTINGS, prefix_caching=True),
+                 "no_cache": local_platform(SETTINGS, prefix_caching=False)}
+
+    async def each(step):
+        return await asyncio.gather(*(step(p) for p in platforms.values()))
+
+    # One loop for both ends: asyncio.run would finalize the context managers as it closed.
+    loop = asyncio.new_event_loop()
+    targets = loop.run_until_complete(each(lambda p: p.__aenter__()))
+    yield dict(zip(platforms, targets))
+    loop.run_until_complete(each(lambda p: p.__aexit__(None, None, None)))
+    loop.close()
+
+
+def cache_stats(target):
+    with grpc.insecure_channel(target) as channel:
+        return engine_pb2_grpc.EngineStub(channel).GetCacheStats(engine_pb2.GetCacheStatsRequest(), timeout=30)
+
+
+def run_one(target, workload, options):
+    config = BenchConfig(workloads=(workload,), options=options, concurrency=1, target=target,
+                         reset_between_workloads=False, warmup_requests=0, show_progress=False)
+    with grpc.insecure_channel(target) as channel:  # an empty cache; the reset itself is not counted below
+        assert engine_pb2_grpc.EngineStub(channel).ResetPrefixCache(engine_pb2.ResetPrefixCacheRequest()).reset
+    before = cache_stats(target)
+    outcome = asyncio.run(run_session(config))
+    after = cache_stats(target)
+    return outcome, after.hit_tokens - before.hit_tokens, after.evictions - before.evictions
+
+
+def expected_hits(workload, requests):
+    """Hand-computed cached tokens per request at concurrency 1 on an empty cache."""
+    if workload in ("shared-system-prompt", "few-shot"):
+        return [0] + [OPTIONS.prefix_len // BLOCK * BLOCK] * (len(requests) - 1)
+    if workload == "multi-turn":  # turn k reuses the full blocks of turn k-1's prompt
+        by_id = {r.request_id: r for r in requests}
+        return [len(by_id[r.after].prompt_token_ids) // BLOCK * BLOCK if r.after else 0 for r in requests]
+    return [0] * len(requests)  # unique, thrash
+
+
+@pytest.mark.parametrize("workload, options", [
+    ("shared-system-prompt", OPTIONS),
+    ("multi-turn", replace(OPTIONS, num_requests=5, suffix_len=IntRange(16, 24))),
+    ("few-shot", OPTIONS),
+    ("unique", OPTIONS),
+    # 128-token prefixes: the ~25-block pool holds 3, so auto-sizing picks 6 and visits 8 times.
+    ("thrash", replace(OPTIONS, num_requests=8, prefix_len=128)),
+])
+def test_report_totals_match_the_servers_usage(engines, workload, options):
+    outcome, server_hit_tokens, server_evictions = run_one(engines["cache"], workload, options)
+    summary = outcome.results[workload].summaries["cache"]
+    records = outcome.results[workload].records["cache"]
+    requests = outcome.requests[workload]
+    assert summary.completed == len(requests) and summary.failed == 0
+    assert summary.cached_tokens == sum(r.cached_tokens for r in records) == server_hit_tokens
+    assert summary.prompt_tokens == sum(len(r.prompt_token_ids) for r in requests)
+    assert [r.cached_tokens for r in records] == expected_hits(workload, requests)
+    assert summary.output_tokens == options.output_len * len(requests)  # greedy with ignore_eos
+    assert summary.evictions == server_evictions
+    if workload == "thrash":
+        prefixes = outcome.description["options"]["thrash_prefixes"]
+        assert prefixes == 6 and summary.evictions > 0
+        assert summary.miss_reasons == {"cold": prefixes, "evicted": len(requests) - prefixes}
+    if workload == "unique":
+        assert summary.miss_reasons == {"cold": len(requests)}
+
+
+def test_cli_compare_no_cache_reports_ratios(engines, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = cli.main(["bench", "--target", engines["cache"], "--compare-no-cache", "--no-cache-target", engines["no_cache"],
+                   "--workload", "shared-system-prompt", "--num-requests", "3", "--concurrency", "1",
+                   "--prefix-len", "64", "--suffix-len", "8:16", "--output-len", "3", "--warmup", "1",
+                   "--tenants", "1", "--json", str(out), "--no-progress"])
+    assert rc == 0
+    assert "cache/no cache" in capsys.readouterr().out
+    report = json.loads(out.read_text())["workloads"]["shared-system-prompt"]
+    assert report["no_cache"]["cached_tokens"] == 0 and report["no_cache"]["miss_reasons"] == {"disabled": 3}
+    assert report["cache"]["cached_tokens"] == 2 * 64  # the fresh salt makes the first request miss
+    assert report["cache"]["prompt_tokens"] == report["no_cache"]["prompt_tokens"]
+    assert report["ratio"]["prompt_tokens"] == 1.0 and report["ratio"]["hit_rate"] is None
+    # Swapped endpoints are refused: the no-cache run must not silently use a caching engine.
+    assert cli.main(["bench", "--target", engines["no_cache"], "--workload", "unique", "--num-requests", "1",
+                     "--no-progress"]) == 2
+    assert "prefix caching on" in capsys.readouterr().err
