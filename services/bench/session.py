@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import AsyncIterator, Sequence
+import sys
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from prefixcache.services.bench.driver import TenantSalts, drive
@@ -13,6 +14,7 @@ from prefixcache.services.bench.local_platform import LocalSettings, local_platf
 from prefixcache.services.bench.metrics import summarize
 from prefixcache.services.bench.report import CACHE, NO_CACHE, ProgressBar, WorkloadResult
 from prefixcache.services.bench.workloads import BenchRequest, WorkloadOptions, generate
+
 
 @dataclass(frozen=True)
 class BenchConfig:
@@ -101,7 +103,12 @@ async def _warm_up(endpoint: EngineEndpoint, options: WorkloadOptions, count: in
     await drive(endpoint, warmup, concurrency=count, salts=TenantSalts(1))
 
 
-async def run_session(config: BenchConfig) -> BenchOutcome:
+def _to_stderr(note: str) -> None:
+    print(f"note: {note}", file=sys.stderr)
+
+
+async def run_session(config: BenchConfig, note: Callable[[str], None] = _to_stderr) -> BenchOutcome:
+    """Run every workload in every mode; `note` hears about settings that defeat a workload's point."""
     results = {name: WorkloadResult() for name in config.workloads}
     outcome = BenchOutcome(results)
     requests: dict[str, list[BenchRequest]] | None = None
@@ -119,6 +126,12 @@ async def run_session(config: BenchConfig) -> BenchOutcome:
                     options = resolve_options(config, facts)
                     requests = {name: generate(name, options) for name in config.workloads}
                     check_fits(requests, facts)
+                    if "thrash" in requests and options.num_requests <= options.thrash_prefixes:
+                        note(
+                            f"thrash visits each of its {options.thrash_prefixes} prefixes at most once in "
+                            f"{options.num_requests} requests, so nothing is evicted before reuse; raise "
+                            "--num-requests or lower the KV pool (--kv-cache-memory)"
+                        )
                     outcome.requests = requests
                     outcome.description = _describe(config, options, facts)
                 await _warm_up(endpoint, options, config.warmup_requests)

@@ -150,7 +150,9 @@ def test_cli_against_a_target_writes_table_json_and_plot(engine_server, tmp_path
                    "--prefix-len", "64", "--suffix-len", "4:20", "--output-len", "4", "--json", str(out),
                    "--plot", str(png), "--no-progress"])
     assert rc == 0
-    table = capsys.readouterr().out
+    captured = capsys.readouterr()
+    table = captured.out
+    assert "thrash visits each of its 16 prefixes at most once in 12 requests" in captured.err
     assert "shared-system-prompt" in table and "TTFT p50 (ms)" in table and "hit rate" in table
     report = json.loads(out.read_text())
     assert report["config"]["engine"]["model_id"] == "recording"
