@@ -7,6 +7,8 @@ and reused by all layers, so it is timed apart) beside SDPA over dense, unpaged 
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 from attention_cases import CASES, dense_sdpa, make_inputs, median_ms, print_table
@@ -15,6 +17,11 @@ from prefixcache.kernels.torch_attention import TorchAttentionPlan
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     backend = get_attention_backend("torch", "cpu")
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
