@@ -7,10 +7,10 @@ Per step, the batch splits three ways (`TorchAttentionPlan`, built once and shar
 - prefill chunks with cached context gather their whole sequence from the cache (this step's tokens
   included: they were written first) and attend under an explicit mask, since SDPA's `is_causal`
   aligns the diagonal top-left and our queries sit at the end of the sequence;
-- decodes attend together, a few SDPA calls for the lot: sorted by length and cut into groups whose
-  padding to their longest member wastes little (`MAX_DECODE_PADDING`). Batching is about even with
-  one call per decode on one thread (both are bound by reading the cache) and ahead with more threads
-  (one call parallelises over sequences and heads); padding a 100-token decode to 4k is not.
+- decodes attend in groups, one SDPA call each: sorted by length and cut where padding to the
+  group's longest member would waste much (`MAX_DECODE_PADDING`). On one thread a group costs about
+  what one call per decode does (both are bound by reading the cache); with more threads one call
+  parallelises over sequences and heads, which pays unless most of what it reads is padding.
 
 GQA costs no copies: the query heads of one key/value head are consecutive, so a `[.., num_q_heads, D]`
 query viewed as `[.., num_kv_heads, group, D]` is a batch of `group` queries per key/value head. SDPA
