@@ -173,7 +173,7 @@ def get_attention_backend(name: str | None = None, device: torch.device | str = 
     raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
 
 
-def triton_interpreter_enabled() -> bool:
+def _triton_interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -182,7 +182,7 @@ def _check_triton_usable(device: torch.device) -> None:
         if not torch.cuda.is_available():
             raise ValueError("attention backend 'triton' was asked for on CUDA, but no CUDA device is available")
         return
-    if not triton_interpreter_enabled():
+    if not _triton_interpreter_enabled():
         raise ValueError(
             f"attention backend 'triton' needs a CUDA device, got {device.type!r}; use 'torch' on CPU "
             "(or set TRITON_INTERPRET=1 before importing the kernels, for tests: it is very slow)"
