@@ -44,3 +44,10 @@ async def wait_until_serving(target: str, timeout_s: float, service: str = "") -
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{target} not serving after {timeout_s:.0f} s")
             await asyncio.sleep(0.1)
+
+
+def status_of(error: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
+    """The status code and message of a failed call (sync and asyncio errors alike)."""
+    code = getattr(error, "code", None)
+    details = getattr(error, "details", None)
+    return (code() if callable(code) else grpc.StatusCode.UNKNOWN, details() if callable(details) else str(error))

@@ -23,6 +23,7 @@ from opentelemetry import trace
 from prefixcache.protos.engine.v1 import engine_pb2 as pb
 from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
 from prefixcache.services.common.block_identity import BlockExtras
+from prefixcache.services.common.grpc_client import status_of
 from prefixcache.services.common.step import SamplingParams
 from prefixcache.services.scheduler.engine_core import (
     EngineCore,
@@ -97,7 +98,10 @@ class EngineServicer(pb_grpc.EngineServicer):
             except EngineUnavailable as error:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
             except grpc.RpcError as error:  # from the tokenizer service
-                await context.abort(_tokenizer_status(error), f"tokenizer: {_details(error)}")
+                code, details = status_of(error)
+                if code == grpc.StatusCode.INVALID_ARGUMENT:  # bad chat messages: the message names the field
+                    await context.abort(code, details)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"tokenizer: {code.name}: {details}")
             span.set_attribute("gen_ai.usage.input_tokens", len(prompt_ids))
 
             stream = _Stream(request_id, self._engine, self._tokenizer.detokenizer(prompt_ids), list(request.sampling.stop))
@@ -107,7 +111,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             except EngineUnavailable as error:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
             except grpc.RpcError as error:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"tokenizer: {_details(error)}")
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"tokenizer: {status_of(error)[1]}")
             finally:
                 if not stream.finished:  # cancelled by the client, deadline, or an error above
                     self._engine.abort(request_id)
@@ -207,8 +211,8 @@ class EngineServicer(pb_grpc.EngineServicer):
             free_blocks=stats.free_blocks,
             used_blocks=stats.used_blocks,
             cached_blocks=stats.cached_blocks,
-            query_tokens=stats.queried_tokens,
-            hit_tokens=stats.hit_tokens,
+            query_tokens=stats.queries,
+            hit_tokens=stats.hits,
             evictions=stats.evictions,
             running_requests=self._engine.num_running,
             waiting_requests=self._engine.num_waiting,
@@ -338,13 +342,3 @@ def account_to_proto(account) -> pb.CacheAccount:
         queried_blocks=account.queried_blocks,
         hit_blocks=account.hit_blocks,
     )
-
-
-def _details(error: grpc.RpcError) -> str:
-    return error.details() if isinstance(error, grpc.Call) else str(error)
-
-
-def _tokenizer_status(error: grpc.RpcError) -> grpc.StatusCode:
-    """Bad input stays the client's fault; anything else means the tokenizer could not serve."""
-    code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
-    return code if code == grpc.StatusCode.INVALID_ARGUMENT else grpc.StatusCode.UNAVAILABLE

@@ -9,7 +9,7 @@ import grpc
 
 from prefixcache.protos.worker.v1 import worker_pb2 as pb
 from prefixcache.protos.worker.v1 import worker_pb2_grpc as pb_grpc
-from prefixcache.services.common.grpc_client import open_channel
+from prefixcache.services.common.grpc_client import open_channel, status_of
 from prefixcache.services.common.step import SchedulerStep, StepOutput
 from prefixcache.services.common.step_codec import output_from_proto, step_to_proto
 from prefixcache.services.scheduler.engine_core import WorkerInfo, WorkerUnavailable
@@ -62,8 +62,8 @@ class GrpcStepExecutor:
         return output_from_proto(reply)
 
     def _translate(self, error: grpc.RpcError) -> Exception:
-        code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
-        message = f"worker {self.target}: {code.name}: {error.details() if isinstance(error, grpc.Call) else error}"
+        code, details = status_of(error)
+        message = f"worker {self.target}: {code.name}: {details}"
         if code in LOST_WORKER_CODES:
             return WorkerUnavailable(message)
         return RuntimeError(message)

@@ -1,0 +1,174 @@
+"""The platform over real gRPC: streaming, the prefix cache, cancellation, bad input, a full queue."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from conftest import run, start_platform, stop_platform, wait_idle
+from prompts import question, shared_prefix
+
+from prefixcache.protos.engine.v1 import engine_pb2 as pb
+from prefixcache.services.cli.launcher import LocalPlatform
+from prefixcache.services.common.engine_client import Completion, EngineClient, build_request
+
+pytestmark = pytest.mark.slow
+BLOCK = 16
+
+
+def test_sixteen_concurrent_streams_complete(target: str) -> None:
+    async def main() -> list[Completion]:
+        async with EngineClient(target) as engine:
+            requests = [
+                build_request(
+                    text=f"Write a sentence about the number {n}.",
+                    max_tokens=8,
+                    temperature=0.0,
+                    ignore_eos=True,
+                    request_id=f"c{n}",
+                )
+                for n in range(16)
+            ]
+            return await asyncio.gather(*(engine.complete(r, timeout_s=180) for r in requests))
+
+    completions = run(main())
+    assert sorted(c.request_id for c in completions) == sorted(f"c{n}" for n in range(16))
+    for completion in completions:
+        assert completion.finish_reason == "length"
+        assert completion.usage.completion_tokens == len(completion.token_ids) == 8
+        assert completion.text  # detokenized by the tokenizer service
+        assert completion.num_chunks >= 2  # streamed, not one reply at the end
+
+
+@pytest.fixture(scope="module")
+def uncached_target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    platform: LocalPlatform = start_platform(tmp_path_factory.mktemp("uncached-logs"), ["--no-prefix-caching"])
+    yield platform.engine_address
+    stop_platform(platform)
+
+
+def test_shared_prefix_is_served_from_the_cache_with_identical_output(target: str, uncached_target: str) -> None:
+    prefix = shared_prefix(1000, "the valley")
+    first = prefix + question("Which year was note 3 written?")
+    second = prefix + question("What was surveyed in note 5?")
+    assert len(second) // BLOCK * BLOCK > 992  # the second prompt's block 62 mixes prefix and question
+
+    def greedy(token_ids: list[int]) -> pb.GenerateRequest:
+        return build_request(token_ids=token_ids, max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    async def main() -> tuple[Completion, Completion, Completion]:
+        async with EngineClient(target) as engine, EngineClient(uncached_target) as uncached:
+            cold = await engine.complete(greedy(first), timeout_s=300)
+            warm = await engine.complete(greedy(second), timeout_s=300)
+            reference = await uncached.complete(greedy(second), timeout_s=300)
+            return cold, warm, reference
+
+    cold, warm, reference = run(main())
+    assert cold.usage.cached_tokens == 0
+    assert warm.usage.prompt_tokens == len(second)
+    assert warm.usage.cached_tokens == 992  # 62 full blocks of the shared 1,000 tokens
+    assert warm.cache_account.hit_tokens == 992 and warm.cache_account.hit_blocks == 62
+    assert reference.usage.cached_tokens == 0 and reference.cache_account.miss_reason == "disabled"
+    assert warm.token_ids == reference.token_ids and warm.text == reference.text
+
+
+def test_a_cancelled_stream_frees_its_blocks(target: str) -> None:
+    async def main() -> pb.CacheStats:
+        async with EngineClient(target) as engine:
+            request = build_request(text="Tell me a very long story.", max_tokens=400, temperature=0.0, ignore_eos=True)
+            call = engine.generate(request, timeout_s=300)
+            received = 0
+            async for chunk in call:
+                received += len(chunk.token_ids)
+                if received >= 3:
+                    break
+            busy = await engine.cache_stats()
+            call.cancel()
+            assert busy.used_blocks > 0 and busy.running_requests == 1
+            return await wait_idle(target, timeout_s=10)
+
+    stats = run(main())
+    assert stats.used_blocks == 0 and stats.running_requests == 0
+
+
+def test_stop_strings_end_the_text_before_the_match(target: str) -> None:
+    async def main() -> tuple[Completion, Completion]:
+        async with EngineClient(target) as engine:
+            prompt = "Count from one to ten in words, separated by commas: one, two,"
+            free = await engine.complete(build_request(text=prompt, max_tokens=24, temperature=0.0), timeout_s=120)
+            stopped = await engine.complete(
+                build_request(text=prompt, max_tokens=24, temperature=0.0, stop=["five"]), timeout_s=120
+            )
+            return free, stopped
+
+    free, stopped = run(main())
+    assert "five" in free.text, f"the model should count past five: {free.text!r}"
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free.text[: free.text.index("five")]
+    assert stopped.usage.completion_tokens < free.usage.completion_tokens
+
+
+BAD_REQUESTS = {
+    "empty prompt": (dict(text=""), "text"),
+    "empty token ids": (dict(token_ids=[]), "token_ids"),
+    "token id outside the vocabulary": (dict(token_ids=[1, 2, 49152]), "token_ids"),
+    "prompt + max_tokens beyond the model": (dict(token_ids=[1, 2, 3], max_tokens=9000), "sampling.max_tokens"),
+    "max_tokens zero": (dict(text="hi", max_tokens=0), "sampling.max_tokens"),
+    "max_tokens negative": (dict(text="hi", max_tokens=-3), "sampling.max_tokens"),
+    "negative temperature": (dict(text="hi", temperature=-0.5), "sampling.temperature"),
+    "top_p zero": (dict(text="hi", top_p=0.0), "sampling.top_p"),
+    "top_p above one": (dict(text="hi", top_p=1.5), "sampling.top_p"),
+    "unknown LoRA adapter": (dict(text="hi", lora_adapter="nope"), "lora_adapter"),
+    "no chat messages": (dict(messages=[]), "chat.messages"),
+    "unknown chat role": (dict(messages=[("wizard", "hi")]), "chat.messages[0].role"),
+    "empty chat content": (dict(messages=[("user", "")]), "chat.messages[0].content"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_input_is_invalid_argument_and_the_server_still_serves(target: str, case: str) -> None:
+    kwargs, field = BAD_REQUESTS[case]
+
+    async def main() -> Completion:
+        async with EngineClient(target) as engine:
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await engine.complete(build_request(**kwargs), timeout_s=60)
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert error.value.details().startswith(field + ":"), error.value.details()
+            return await engine.complete(build_request(text="Hello", max_tokens=2, temperature=0.0), timeout_s=60)
+
+    assert run(main()).usage.completion_tokens == 2
+
+
+def test_multimodal_items_for_a_text_only_model(target: str) -> None:
+    async def main() -> None:
+        async with EngineClient(target) as engine:
+            request = build_request(token_ids=[1, 2, 3], max_tokens=2)
+            request.multimodal_items.add(content_hash="ab" * 32, offset=0, length=2)
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await engine.complete(request, timeout_s=60)
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert error.value.details().startswith("multimodal_items:")
+
+    run(main())
+
+
+def test_a_full_waiting_queue_is_resource_exhausted(target: str) -> None:
+    # At most 16 arrivals wait for admission (max-waiting); the rest are refused, not queued. How many
+    # the step loop admits while the burst arrives varies, but the 16 waiting slots are always usable.
+    async def one(engine: EngineClient, n: int) -> grpc.StatusCode:
+        request = build_request(text=f"Story {n}:", max_tokens=8, temperature=0.0, ignore_eos=True)
+        try:
+            await engine.complete(request, timeout_s=300)
+        except grpc.aio.AioRpcError as error:
+            return error.code()
+        return grpc.StatusCode.OK
+
+    async def main() -> list[grpc.StatusCode]:
+        async with EngineClient(target) as engine:
+            return await asyncio.gather(*(one(engine, n) for n in range(40)))
+
+    codes = run(main())
+    assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+    assert codes.count(grpc.StatusCode.OK) >= 16

@@ -1,0 +1,55 @@
+"""Killing the worker mid-stream: in-flight requests end UNAVAILABLE; a restarted worker serves again
+with an empty cache."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from conftest import run
+from prompts import question, shared_prefix
+
+from prefixcache.services.cli.launcher import LocalPlatform
+from prefixcache.services.common.engine_client import Completion, EngineClient, build_request
+
+pytestmark = pytest.mark.slow
+
+
+async def complete_when_back(engine: EngineClient, request, timeout_s: float = 120) -> Completion:
+    """Retry while the engine answers UNAVAILABLE (the worker is coming back)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await engine.complete(request, timeout_s=120)
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
+def test_worker_killed_mid_stream_then_restarted(platform: LocalPlatform, target: str) -> None:
+    prefix = shared_prefix(160, "the coast")
+    cached_prompt = prefix + question("Which note mentions harbors?")
+
+    async def main() -> None:
+        async with EngineClient(target) as engine:
+            warm = build_request(token_ids=cached_prompt, max_tokens=2, temperature=0.0)
+            await engine.complete(warm, timeout_s=120)
+            assert (await engine.complete(warm, timeout_s=120)).usage.cached_tokens == 160
+
+            long = build_request(text="Tell me a long story.", max_tokens=400, temperature=0.0, ignore_eos=True)
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                async for chunk in engine.generate(long, timeout_s=300):
+                    if chunk.token_ids and platform.worker.running:
+                        platform.worker.kill()
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+
+            platform.restart_worker()
+            after = await complete_when_back(engine, warm)
+            assert after.usage.cached_tokens == 0  # the KV memory died with the worker
+            assert after.cache_account.miss_reason == "cold"
+            stats = await engine.cache_stats()
+            assert stats.evictions == 0 and stats.used_blocks == 0
+
+    run(main())
