@@ -15,6 +15,7 @@ import operator
 import sys
 from array import array
 from collections.abc import Sequence
+from functools import lru_cache
 
 _MAJOR_UINT = 0
 _MAJOR_NEGINT = 1
@@ -111,6 +112,12 @@ def _encode_trusted_uints(values: Sequence[int]) -> bytes:
     return b"".join(map(_UINT_ENCODINGS.__getitem__, values))
 
 
+@lru_cache(maxsize=1)
+def _u16_encodings() -> list[bytes]:
+    """value -> CBOR encoding for every value below 65536 (about 3 MB, built on first use)."""
+    return [head(_MAJOR_UINT, value) for value in range(0x10000)]
+
+
 _U32 = next(code for code in "IL" if array(code).itemsize == 4)
 _NATIVE_LITTLE_ENDIAN = sys.byteorder == "little"
 _U16_HEAD = bytes((_MAJOR_UINT << 5 | 25,))
@@ -148,9 +155,11 @@ def encode_uint_runs(values: Sequence[int], run_length: int) -> list[bytes]:
     runs = [encoded[i : i + stride] for i in range(0, 3 * count, stride)]
     # A zero high byte marks a value below 256, whose shortest encoding is 1 or 2 bytes.
     position = high_bytes.find(0)
-    while position != -1:
-        run = position // run_length
-        start = run * run_length
-        runs[run] = _encode_trusted_uints(values[start : start + run_length])
-        position = high_bytes.find(0, start + run_length)
+    if position != -1:
+        encodings = _u16_encodings().__getitem__
+        while position != -1:
+            run = position // run_length
+            start = run * run_length
+            runs[run] = b"".join(map(encodings, values[start : start + run_length]))
+            position = high_bytes.find(0, start + run_length)
     return runs

@@ -1,8 +1,10 @@
 """The block pool: reference counts, block hashes, the hash→block map and eviction."""
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
+from functools import partial
+from itertools import repeat
 from typing import Literal, NamedTuple
 
 from prefixcache.services.scheduler.kv_cache.free_queue import FreeBlockQueue
@@ -16,6 +18,9 @@ class EvictionEvent(NamedTuple):
     evicting_request_id: str | None  # whose allocation took the block; None for a reset
     storing_request_id: str  # the request whose tokens filled the block
     reason: Literal["allocation", "reset"] = "allocation"
+
+
+_as_event = partial(tuple.__new__, EvictionEvent)
 
 
 class BlockPool:
@@ -34,14 +39,16 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref_counts: list[int] = [0] * num_blocks
         self.block_hashes: list[bytes | None] = [None] * num_blocks
-        self.stored_by: list[str | None] = [None] * num_blocks  # block id -> request that cached it
+        # block id -> the request that cached it; meaningful only while the block holds a hash
+        self.stored_by: list[str | None] = [None] * num_blocks
         self.free_queue = FreeBlockQueue(range(num_blocks))
         self.cached: dict[bytes, int] = {}  # hash -> a block holding it
         self._duplicates: dict[bytes, list[int]] = {}  # hash -> further blocks holding it
         self.num_cached_blocks = 0
-        # Hashes recently evicted, oldest first, so a miss can be explained as "evicted" vs "cold".
-        self.recently_evicted: OrderedDict[bytes, None] = OrderedDict()
-        self._evicted_history = evicted_history
+        # Hashes recently evicted, so a miss can be explained as "evicted" rather than "cold".
+        self._evicted_current: set[bytes] = set()
+        self._evicted_previous: set[bytes] = set()
+        self._evicted_history = max(evicted_history, 1)
         self._events: deque[tuple] = deque(maxlen=max_pending_events)
         self.events_dropped = 0
         self.num_evictions = 0
@@ -67,42 +74,57 @@ class BlockPool:
     def allocate(self, count: int, request_id: str) -> list[int]:
         """Pop `count` blocks from the head of the free queue, evicting the hashes they held."""
         block_ids = self.free_queue.popleft_n(count)
-        block_hashes, ref_counts = self.block_hashes, self.ref_counts
+        ref_counts, block_hashes = self.ref_counts, self.block_hashes
         for block_id in block_ids:
             ref_counts[block_id] = 1
-        for block_id in [b for b in block_ids if block_hashes[b] is not None]:
-            self._evict(block_id, request_id, "allocation")
+        evicted = [b for b in block_ids if block_hashes[b] is not None]
+        if evicted:
+            self._evict(evicted, request_id, "allocation")
         return block_ids
 
-    def _evict(self, block_id: int, request_id: str | None, reason: str) -> None:
-        block_hash = self.block_hashes[block_id]
-        self.block_hashes[block_id] = None
+    def _evict(self, block_ids: list[int], request_id: str | None, reason: str) -> None:
+        """Clear the hashes of `block_ids`, recording an event per block, in order."""
+        block_hashes, cached = self.block_hashes, self.cached
+        hashes = [block_hashes[b] for b in block_ids]
+        for block_id in block_ids:
+            block_hashes[block_id] = None
+        if self._duplicates and not self._duplicates.keys().isdisjoint(hashes):
+            lost = [h for h, b in zip(hashes, block_ids) if self._drop_copy(h, b)]
+        else:  # the common case, in bulk: every hash had this one block
+            for _ in map(cached.__delitem__, hashes):
+                pass
+            lost = hashes
+        self._remember_evictions(lost)
+        self.num_cached_blocks -= len(block_ids)
+        self.num_evictions += len(block_ids)
+        events = self._events
+        self.events_dropped += max(len(events) + len(block_ids) - events.maxlen, 0)
+        events.extend(zip(hashes, block_ids, repeat(request_id), map(self.stored_by.__getitem__, block_ids),
+                          repeat(reason)))
+
+    def _drop_copy(self, block_hash: bytes, block_id: int) -> bool:
+        """Unmap one block holding `block_hash`; True if no other block holds it any more."""
         duplicates = self._duplicates.get(block_hash)
         if duplicates is None:
             del self.cached[block_hash]
-            self._remember_eviction(block_hash)
+            return True
+        if self.cached[block_hash] == block_id:
+            self.cached[block_hash] = duplicates.pop(0)
         else:
-            if self.cached[block_hash] == block_id:
-                self.cached[block_hash] = duplicates.pop(0)
-            else:
-                duplicates.remove(block_id)
-            if not duplicates:
-                del self._duplicates[block_hash]
-        self.num_cached_blocks -= 1
-        self.num_evictions += 1
-        if len(self._events) == self._events.maxlen:
-            self.events_dropped += 1
-        self._events.append((block_hash, block_id, request_id, self.stored_by[block_id], reason))
-        self.stored_by[block_id] = None
+            duplicates.remove(block_id)
+        if not duplicates:
+            del self._duplicates[block_hash]
+        return False
 
-    def _remember_eviction(self, block_hash: bytes) -> None:
-        record = self.recently_evicted
-        if block_hash in record:
-            record.move_to_end(block_hash)
-            return
-        record[block_hash] = None
-        if len(record) > self._evicted_history:
-            record.popitem(last=False)
+    def _remember_evictions(self, hashes: list[bytes]) -> None:
+        """Two generations of evicted hashes: at least the last `evicted_history` are remembered."""
+        self._evicted_current.update(hashes)
+        if len(self._evicted_current) >= self._evicted_history:
+            self._evicted_previous, self._evicted_current = self._evicted_current, set()
+
+    def was_evicted(self, block_hash: bytes) -> bool:
+        """Whether `block_hash` was cached and evicted recently (see `_remember_evictions`)."""
+        return block_hash in self._evicted_current or block_hash in self._evicted_previous
 
     def cache(self, block_ids: Sequence[int], block_hashes: Sequence[bytes], request_id: str) -> None:
         """Record that full blocks hold the KV of `block_hashes`; they become reusable."""
@@ -110,8 +132,12 @@ class BlockPool:
         for block_id, block_hash in zip(block_ids, block_hashes):
             hashes[block_id] = block_hash
             stored_by[block_id] = request_id
-            if cached.setdefault(block_hash, block_id) != block_id:
-                self._duplicates.setdefault(block_hash, []).append(block_id)
+        if cached.keys().isdisjoint(block_hashes):
+            cached.update(zip(block_hashes, block_ids))
+        else:  # another request cached some of these hashes first: keep both blocks
+            for block_id, block_hash in zip(block_ids, block_hashes):
+                if cached.setdefault(block_hash, block_id) != block_id:
+                    self._duplicates.setdefault(block_hash, []).append(block_id)
         self.num_cached_blocks += len(block_ids)
 
     def free(self, block_ids: Sequence[int]) -> None:
@@ -135,12 +161,11 @@ class BlockPool:
         """Forget every cached hash; refuses (False) while any block is in use."""
         if len(self.free_queue) != self.num_blocks:
             return False
-        for block_id, block_hash in enumerate(self.block_hashes):
-            if block_hash is not None:
-                self._evict(block_id, None, "reset")
+        self._evict([b for b, h in enumerate(self.block_hashes) if h is not None], None, "reset")
         return True
 
     def take_events(self) -> list[EvictionEvent]:
-        events = [EvictionEvent._make(event) for event in self._events]
+        # Events are kept as plain tuples; tuple.__new__ turns them into EvictionEvents in C.
+        events = list(map(_as_event, self._events))
         self._events.clear()
         return events

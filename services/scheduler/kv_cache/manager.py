@@ -136,7 +136,7 @@ class KVCacheManager:
         num_hit = min(num_found, (num_tokens - 1) // block_size)
         if num_found == num_full:
             reason: StopReason = "full_hit"
-        elif hashes[num_found] in self._pool.recently_evicted:
+        elif self._pool.was_evicted(hashes[num_found]):
             reason = "evicted"
         else:
             reason = "cold"

@@ -1,0 +1,151 @@
+"""KV cache manager benchmark (run by hand): hashing cost and lookup + allocate + free cycles.
+
+    .venv/bin/python benchmarks/kv_cache.py [--repeats N]
+
+Each cycle is what the scheduler does for one request: a fresh `KVRequest` (so its blocks are
+hashed inside the cycle), `get_computed_blocks`, `allocate_slots` for the rest of the prompt,
+`drain_events`, `free`. The pool holds two 32k prompts, so in steady state every allocation at 0%
+hit evicts older cached blocks. The same cycles run against `NaiveKVCache`, the textbook version
+(pickle + sha256 per block, a Python list as free queue), and the table prints vLLM 0.32's
+KVCacheManager figures measured on the 2-core dev machine (issue 2) beside ours.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import pickle
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+from prefixcache.services.common.block_identity import BlockHasher
+from prefixcache.services.scheduler.kv_cache import KVCacheManager, KVRequest
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 4096 + 64
+VOCAB = 49_152
+SIZES = {"1k": 1024, "8k": 8192, "32k": 32768}
+HIT_FRACTIONS = (0.0, 0.5, 1.0)
+# vLLM 0.32 KVCacheManager, lookup + allocate + free including block hashing, ms (issue 2).
+VLLM_ANCHOR_MS = {("1k", 0.0): 0.30, ("1k", 1.0): 0.21, ("8k", 0.0): 1.75, ("8k", 1.0): 1.25,
+                  ("32k", 0.0): 6.0, ("32k", 1.0): 5.2}
+
+
+class NaiveKVCache:
+    """The straightforward reference: pickle+sha256 chained hashes, dict map, list free queue."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.free_list = list(range(num_blocks))
+        self.ref = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}
+        self.owned: dict[str, list[int]] = {}
+
+    def hashes(self, tokens: list[int]) -> list[bytes]:
+        parent, out = b"root", []
+        for start in range(0, len(tokens) - self.block_size + 1, self.block_size):
+            parent = hashlib.sha256(pickle.dumps((parent, tuple(tokens[start:start + self.block_size]), None))).digest()
+            out.append(parent)
+        return out
+
+    def cycle(self, request_id: str, tokens: list[int]) -> None:
+        hashes = self.hashes(tokens)
+        hits = []
+        for block_hash in hashes[: (len(tokens) - 1) // self.block_size]:
+            block = self.cached.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        for block in hits:
+            if self.ref[block] == 0:
+                self.free_list.remove(block)
+            self.ref[block] += 1
+        needed = -(-len(tokens) // self.block_size) - len(hits)
+        new, self.free_list = self.free_list[:needed], self.free_list[needed:]
+        for block in new:
+            if self.block_hash[block] is not None:
+                del self.cached[self.block_hash[block]]
+                self.block_hash[block] = None
+            self.ref[block] = 1
+        blocks = hits + new
+        for index in range(len(hits), len(tokens) // self.block_size):
+            self.block_hash[blocks[index]] = hashes[index]
+            self.cached.setdefault(hashes[index], blocks[index])
+        for block in reversed(blocks):
+            self.ref[block] -= 1
+            if self.ref[block] == 0:
+                self.free_list.append(block)
+
+
+def prompts(num_tokens: int, hit: float, count: int, rng: random.Random) -> list[list[int]]:
+    """`count` prompts sharing their first `hit` fraction; the rest of each is unique."""
+    shared = [rng.randrange(VOCAB) for _ in range(int(num_tokens * hit))]
+    return [shared + [rng.randrange(VOCAB) for _ in range(num_tokens - len(shared))] for _ in range(count)]
+
+
+def median_us(run: Callable[[str, list[int]], None], batch: list[list[int]], warmup: int) -> float:
+    times = []
+    for index, tokens in enumerate(batch):
+        start = time.perf_counter()
+        run(f"req-{index}", tokens)
+        if index >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def manager_cycle(manager: KVCacheManager) -> Callable[[str, list[int]], None]:
+    def cycle(request_id: str, tokens: list[int]) -> None:
+        request = KVRequest(request_id, tokens)
+        hits, _account = manager.get_computed_blocks(request)
+        manager.allocate_slots(request, len(tokens) - len(hits) * BLOCK_SIZE, hits)
+        manager.drain_events()
+        manager.free(request_id)
+    return cycle
+
+
+def hashing_ns_per_block(algo: str, tokens: list[int], repeats: int) -> float:
+    hasher = BlockHasher(BLOCK_SIZE, algo, "bench-model", seed=0 if algo == "xxhash" else None)
+    best = min(_timed(lambda: hasher.hash_blocks(tokens)) for _ in range(repeats))
+    return best / (len(tokens) // BLOCK_SIZE) * 1e9
+
+
+def _timed(function: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    function()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15, help="timed cycles per cell (after warm-up)")
+    args = parser.parse_args()
+    rng = random.Random(0)
+    tokens = [rng.randrange(VOCAB) for _ in range(SIZES["32k"])]
+    naive = NaiveKVCache(1, BLOCK_SIZE)
+    naive_ns = min(_timed(lambda: naive.hashes(tokens)) for _ in range(args.repeats)) / (len(tokens) // BLOCK_SIZE) * 1e9
+    print(f"Block hashing, block size {BLOCK_SIZE}, a 32k-token prompt (ns per block, best of {args.repeats})")
+    print(f"{'algo':<8}{'ours':>8}{'naive pickle+sha256':>22}{'target':>9}")
+    for algo in ("sha256", "xxhash"):
+        target = "1000" if algo == "sha256" else "-"
+        print(f"{algo:<8}{hashing_ns_per_block(algo, tokens, args.repeats):>8.0f}{naive_ns:>22.0f}{target:>9}")
+    print()
+    print(f"One request cycle: hash + lookup + allocate + free ({NUM_BLOCKS} blocks; µs, median of {args.repeats})")
+    print(f"{'prompt':<8}{'hit':>5}{'ours':>9}{'naive':>9}{'vLLM 0.32':>11}{'target':>8}{'speed-up vs vLLM':>18}")
+    for size_name, num_tokens in SIZES.items():
+        for hit in HIT_FRACTIONS:
+            warmup = 3
+            batch = prompts(num_tokens, hit, warmup + args.repeats, rng)
+            ours = median_us(manager_cycle(KVCacheManager(NUM_BLOCKS, BlockHasher(BLOCK_SIZE, "sha256", "bench"))),
+                             batch, warmup)
+            reference = median_us(NaiveKVCache(NUM_BLOCKS, BLOCK_SIZE).cycle, batch, warmup)
+            anchor_ms = VLLM_ANCHOR_MS.get((size_name, hit))
+            anchor = f"{anchor_ms * 1000:.0f}" if anchor_ms else "-"
+            target = f"{anchor_ms * 500:.0f}" if anchor_ms else "-"
+            speedup = f"{anchor_ms * 1000 / ours:.1f}x" if anchor_ms else "-"
+            print(f"{size_name:<8}{hit:>5.0%}{ours:>9.0f}{reference:>9.0f}{anchor:>11}{target:>8}{speedup:>18}")
+
+
+if __name__ == "__main__":
+    main()
