@@ -239,3 +239,10 @@ def test_digest_prompt_embeds_covers_full_blocks_of_rows():
     assert digests == (hashlib.sha256(rows[:16]).digest(), hashlib.sha256(rows[16:32]).digest())
     with pytest.raises(ValueError, match="rows"):
         digest_prompt_embeds(rows, num_tokens=3, block_size=4)
+
+
+def test_the_spec_document_lists_every_golden_hash():
+    document = (Path(__file__).parents[1] / "docs" / "block-identity.md").read_text()
+    for vector in VECTORS:
+        for block_hash in vector["hashes"]:
+            assert block_hash in document, (vector["name"], block_hash)
