@@ -20,6 +20,7 @@ class EvictionEvent(NamedTuple):
     reason: Literal["allocation", "reset"] = "allocation"
 
 
+# Builds an EvictionEvent from a tuple in C, without NamedTuple's Python-level __new__.
 _as_event = partial(tuple.__new__, EvictionEvent)
 
 
@@ -49,7 +50,7 @@ class BlockPool:
         self._evicted_current: set[bytes] = set()
         self._evicted_previous: set[bytes] = set()
         self._evicted_history = max(evicted_history, 1)
-        self._events: deque[tuple] = deque(maxlen=max_pending_events)
+        self._events: deque[EvictionEvent] = deque(maxlen=max_pending_events)
         self.events_dropped = 0
         self.num_evictions = 0
 
@@ -85,7 +86,7 @@ class BlockPool:
     def _evict(self, block_ids: list[int], request_id: str | None, reason: str) -> None:
         """Clear the hashes of `block_ids`, recording an event per block, in order."""
         block_hashes, cached = self.block_hashes, self.cached
-        hashes = [block_hashes[b] for b in block_ids]
+        hashes = list(map(block_hashes.__getitem__, block_ids))
         for block_id in block_ids:
             block_hashes[block_id] = None
         if self._duplicates and not self._duplicates.keys().isdisjoint(hashes):
@@ -99,8 +100,8 @@ class BlockPool:
         self.num_evictions += len(block_ids)
         events = self._events
         self.events_dropped += max(len(events) + len(block_ids) - events.maxlen, 0)
-        events.extend(zip(hashes, block_ids, repeat(request_id), map(self.stored_by.__getitem__, block_ids),
-                          repeat(reason)))
+        events.extend(map(_as_event, zip(hashes, block_ids, repeat(request_id),
+                                         map(self.stored_by.__getitem__, block_ids), repeat(reason))))
 
     def _drop_copy(self, block_hash: bytes, block_id: int) -> bool:
         """Unmap one block holding `block_hash`; True if no other block holds it any more."""
@@ -165,7 +166,6 @@ class BlockPool:
         return True
 
     def take_events(self) -> list[EvictionEvent]:
-        # Events are kept as plain tuples; tuple.__new__ turns them into EvictionEvents in C.
-        events = list(map(_as_event, self._events))
+        events = list(self._events)
         self._events.clear()
         return events
