@@ -92,8 +92,7 @@ class BlockPool:
         if self._duplicates and not self._duplicates.keys().isdisjoint(hashes):
             lost = [h for h, b in zip(hashes, block_ids) if self._drop_copy(h, b)]
         else:  # the common case, in bulk: every hash had this one block
-            for _ in map(cached.__delitem__, hashes):
-                pass
+            deque(map(cached.__delitem__, hashes), maxlen=0)
             lost = hashes
         self._remember_evictions(lost)
         self.num_cached_blocks -= len(block_ids)

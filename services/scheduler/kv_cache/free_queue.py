@@ -1,9 +1,14 @@
 """The free block queue: free block ids in the order they are handed out (and evicted)."""
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
+
+
+def _consume(iterator: Iterator) -> None:
+    """Run an iterator to its end in C."""
+    deque(iterator, maxlen=0)
 
 
 class FreeBlockQueue:
@@ -37,15 +42,13 @@ class FreeBlockQueue:
         if count > len(self._queue):
             raise RuntimeError(f"asked for {count} free blocks, only {len(self._queue)} exist")
         block_ids = list(islice(self._queue, count))
-        for _ in map(self._queue.pop, block_ids):
-            pass
+        _consume(map(self._queue.pop, block_ids))
         return block_ids
 
     def remove_n(self, block_ids: Sequence[int]) -> None:
         """Unlink blocks from wherever they are in the queue."""
         try:
-            for _ in map(self._queue.pop, block_ids):
-                pass
+            _consume(map(self._queue.pop, block_ids))
         except KeyError as error:
             raise RuntimeError(f"block {error.args[0]} is not in the free queue") from None
 
