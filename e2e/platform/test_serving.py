@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from conftest import run, start_platform, stop_platform, wait_idle
-from prompts import question, shared_prefix
+from platform_harness import run, start_platform, stop_platform, wait_idle
+from platform_prompts import question, shared_prefix
 
 from prefixcache.protos.engine.v1 import engine_pb2 as pb
 from prefixcache.services.cli.launcher import LocalPlatform

@@ -7,8 +7,8 @@ import time
 
 import grpc
 import pytest
-from conftest import run
-from prompts import question, shared_prefix
+from platform_harness import run
+from platform_prompts import question, shared_prefix
 
 from prefixcache.services.cli.launcher import LocalPlatform
 from prefixcache.services.common.engine_client import Completion, EngineClient, build_request

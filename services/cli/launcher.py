@@ -33,6 +33,7 @@ class ServiceProcess:
     argv: list[str]
     address: str  # HOST:PORT clients use
     log_path: Path
+    env: dict[str, str] = field(default_factory=dict)  # added to this process's environment
     process: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -42,6 +43,7 @@ class ServiceProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env},
             )
 
     @property
@@ -85,6 +87,7 @@ class PlatformConfig:
     kv_cache_memory: str = "1GiB"
     scheduler_args: list[str] = field(default_factory=list)  # extra flags, e.g. ["--no-prefix-caching"]
     worker_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # for every service, e.g. OTEL_* variables
 
 
 class LocalPlatform:
@@ -100,6 +103,7 @@ class LocalPlatform:
             ["tokenizer", "--host", LOOPBACK, "--port", str(tokenizer_port), *model],
             f"{LOOPBACK}:{tokenizer_port}",
             config.log_dir / "tokenizer.log",
+            config.env,
         )
         self.worker = ServiceProcess(
             "worker",
@@ -109,6 +113,7 @@ class LocalPlatform:
             ],  # fmt: skip
             f"{LOOPBACK}:{worker_port}",
             config.log_dir / "worker.log",
+            config.env,
         )
         self.scheduler = ServiceProcess(
             "scheduler",
@@ -118,6 +123,7 @@ class LocalPlatform:
             ],  # fmt: skip
             f"{'127.0.0.1' if config.engine_host == 'localhost' else config.engine_host}:{config.engine_port}",
             config.log_dir / "scheduler.log",
+            config.env,
         )
 
     @property

@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
@@ -209,3 +209,21 @@ class _StreamStream(aio.StreamStreamClientInterceptor):
 def client_interceptors() -> list[aio.ClientInterceptor]:
     """Interceptors that put the current trace context on every outgoing call of a channel."""
     return [_UnaryUnary(), _UnaryStream(), _StreamUnary(), _StreamStream()]
+
+
+class SpanRegistry:
+    """Span contexts of in-flight requests by id, so work done for a batch (one engine step serves
+    many requests) can link back to each request's span."""
+
+    def __init__(self) -> None:
+        self._contexts: dict[str, trace.SpanContext] = {}
+
+    def add(self, request_id: str, span: trace.Span) -> None:
+        if _enabled:
+            self._contexts[request_id] = span.get_span_context()
+
+    def remove(self, request_id: str) -> None:
+        self._contexts.pop(request_id, None)
+
+    def links(self, request_ids: Iterable[str]) -> list[trace.Link]:
+        return [trace.Link(self._contexts[r]) for r in request_ids if r in self._contexts]

@@ -24,6 +24,7 @@ from prefixcache.protos.engine.v1 import engine_pb2 as pb
 from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
 from prefixcache.services.common.block_identity import BlockExtras
 from prefixcache.services.common.grpc_client import status_of
+from prefixcache.services.common.tracing import SpanRegistry
 from prefixcache.services.common.step import SamplingParams
 from prefixcache.services.scheduler.engine_core import (
     EngineCore,
@@ -73,7 +74,9 @@ class EngineServicer(pb_grpc.EngineServicer):
         tokenizer: TokenizerClient,
         tenants: TenantSalts | None = None,
         options: EngineOptions = EngineOptions(),
+        request_spans: SpanRegistry | None = None,
     ):
+        self._request_spans = request_spans or SpanRegistry()
         self._engine = engine
         self._tokenizer = tokenizer
         self._tenants = tenants or TenantSalts()
@@ -105,6 +108,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             span.set_attribute("gen_ai.usage.input_tokens", len(prompt_ids))
 
             stream = _Stream(request_id, self._engine, self._tokenizer.detokenizer(prompt_ids), list(request.sampling.stop))
+            self._request_spans.add(request_id, span)
             try:
                 async for response in stream.responses(outputs):
                     yield response
@@ -115,6 +119,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             finally:
                 if not stream.finished:  # cancelled by the client, deadline, or an error above
                     self._engine.abort(request_id)
+                self._request_spans.remove(request_id)
                 await stream.close()
                 stream.annotate(span)
 

@@ -13,6 +13,7 @@ import logging
 
 from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
 from prefixcache.services.common.grpc_server import Servicer, configure_logging, run_server
+from prefixcache.services.common.tracing import SpanRegistry
 from prefixcache.services.scheduler.engine_core import EngineCore, SchedulerConfig, WorkerUnavailable
 from prefixcache.services.scheduler.engine_service import SERVICE_NAME, EngineServicer
 from prefixcache.services.scheduler.tokenizer_client import TokenizerClient
@@ -60,10 +61,11 @@ async def serve(args: argparse.Namespace) -> int:
     except ValueError as error:
         log.error("%s", error)
         return 2
-    executor = GrpcStepExecutor(args.worker)
+    request_spans = SpanRegistry()
+    executor = GrpcStepExecutor(args.worker, request_spans=request_spans)
     tokenizer = TokenizerClient(args.tokenizer)
     engine = EngineCore(config, executor)
-    servicer = EngineServicer(engine, tokenizer)
+    servicer = EngineServicer(engine, tokenizer, request_spans=request_spans)
 
     async def start_engine() -> None:
         while True:

@@ -6,13 +6,18 @@ timed out) becomes `WorkerUnavailable`, upon which EngineCore drops its cache an
 from __future__ import annotations
 
 import grpc
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 
 from prefixcache.protos.worker.v1 import worker_pb2 as pb
 from prefixcache.protos.worker.v1 import worker_pb2_grpc as pb_grpc
 from prefixcache.services.common.grpc_client import open_channel, status_of
 from prefixcache.services.common.step import SchedulerStep, StepOutput
 from prefixcache.services.common.step_codec import output_from_proto, step_to_proto
+from prefixcache.services.common.tracing import SpanRegistry, tracing_enabled
 from prefixcache.services.scheduler.engine_core import WorkerInfo, WorkerUnavailable
+
+_tracer = trace.get_tracer(__name__)
 
 # Codes after which the worker cannot be trusted to hold the requests and KV blocks we gave it.
 LOST_WORKER_CODES = frozenset(
@@ -29,8 +34,15 @@ LOST_WORKER_CODES = frozenset(
 class GrpcStepExecutor:
     """`StepExecutor` for a worker at `target` (HOST:PORT)."""
 
-    def __init__(self, target: str, step_timeout_s: float = 300.0, init_timeout_s: float = 120.0):
+    def __init__(
+        self,
+        target: str,
+        step_timeout_s: float = 300.0,
+        init_timeout_s: float = 120.0,
+        request_spans: SpanRegistry | None = None,
+    ):
         self.target = target
+        self._request_spans = request_spans or SpanRegistry()
         self._channel = open_channel(target)
         self._stub = pb_grpc.WorkerStub(self._channel)
         self._step_timeout_s = step_timeout_s
@@ -55,6 +67,20 @@ class GrpcStepExecutor:
         )
 
     async def execute(self, step: SchedulerStep) -> StepOutput:
+        if not tracing_enabled():
+            return await self._execute(step)
+        # One step serves many requests: its span links to each of theirs, and the worker's span
+        # for the call becomes its child.
+        attributes = {
+            "prefix_cache.step.id": step.step_id,
+            "prefix_cache.step.num_requests": len(step.num_scheduled_tokens),
+            "prefix_cache.step.num_tokens": step.total_scheduled_tokens,
+        }
+        links = self._request_spans.links(step.num_scheduled_tokens)
+        with _tracer.start_as_current_span("execute_step", kind=SpanKind.CLIENT, links=links, attributes=attributes):
+            return await self._execute(step)
+
+    async def _execute(self, step: SchedulerStep) -> StepOutput:
         try:
             reply = await self._stub.ExecuteStep(step_to_proto(step), timeout=self._step_timeout_s)
         except grpc.RpcError as error:

@@ -1,0 +1,66 @@
+"""Helpers of the platform e2e tests: start and stop a local platform, one event loop, idle polling."""
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+from prefixcache.services.cli.launcher import LocalPlatform, PlatformConfig, free_port
+from prefixcache.services.common.engine_client import EngineClient
+
+# Small enough to share the machine, large enough for 16 streams and two 1,000-token prompts.
+KV_CACHE_MEMORY = "160MiB"
+# 16 running and 16 waiting at most: room for 16 concurrent arrivals, few enough for the queue-full test.
+SCHEDULER_ARGS = ["--max-num-seqs", "16", "--max-waiting", "16", "--grace", "10"]
+# Every service prints its spans to its log (read by test_tracing), exported within 0.1 s.
+TRACING_ENV = {"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "100"}
+# grpc.aio binds its poller to the first event loop it sees: every test runs on this one.
+_loop = asyncio.new_event_loop()
+
+
+def run(coroutine):
+    return _loop.run_until_complete(coroutine)
+
+
+def start_platform(log_dir: Path, extra_scheduler_args: list[str] = ()) -> LocalPlatform:
+    from prefixcache.services.common.model_store import ensure_default_model
+
+    platform = LocalPlatform(
+        PlatformConfig(
+            model_dir=ensure_default_model(),
+            log_dir=log_dir,
+            engine_port=free_port(),
+            engine_host="127.0.0.1",
+            kv_cache_memory=KV_CACHE_MEMORY,
+            scheduler_args=[*SCHEDULER_ARGS, *extra_scheduler_args],
+            env=TRACING_ENV,
+        )
+    )
+    platform.start()
+    try:
+        run(platform.wait_ready(timeout_s=240))
+    except BaseException:
+        platform.stop(grace_s=5)
+        raise
+    return platform
+
+
+def stop_platform(platform: LocalPlatform) -> None:
+    statuses = platform.stop(grace_s=20)
+    # SIGTERM is a clean shutdown for every service: exit status 0.
+    assert statuses == {"scheduler": 0, "worker": 0, "tokenizer": 0}, (
+        f"{statuses}\n" + "\n".join(f"--- {s.name}\n{s.log_tail()}" for s in platform.services)
+    )
+
+
+
+async def wait_idle(target: str, timeout_s: float = 30.0):
+    """Poll the cache stats until no request runs or waits and no block is held; return them."""
+    deadline = time.monotonic() + timeout_s
+    async with EngineClient(target) as engine:
+        while True:
+            stats = await engine.cache_stats()
+            idle = stats.running_requests == 0 and stats.waiting_requests == 0 and stats.used_blocks == 0
+            if idle or time.monotonic() > deadline:
+                return stats
+            await asyncio.sleep(0.1)

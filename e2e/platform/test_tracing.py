@@ -1,0 +1,88 @@
+"""Trace context crosses every service; the request span carries usage and cache attributes, never
+the prompt text or the cache salt. The services export spans to their logs (console exporter)."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from platform_harness import run
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+from prefixcache.services.cli.launcher import LocalPlatform
+from prefixcache.services.common.engine_client import EngineClient, build_request
+
+pytestmark = pytest.mark.slow
+
+TRACE_ID = 0x5EED0000000000000000000000C0FFEE
+CALLER_SPAN_ID = 0x00000000DEADBEEF
+SECRET_PROMPT = "Zanzibar quokka parliament, please summarise."
+SECRET_SALT = "salt-that-must-never-be-logged-4f1c"
+
+
+def spans_in(log: Path) -> list[dict]:
+    """The JSON span objects the console exporter wrote into a service's log."""
+    text, decoder, spans = log.read_text(errors="replace"), json.JSONDecoder(), []
+    start = text.find('{\n    "name"')
+    while start >= 0:
+        span, end = decoder.raw_decode(text, start)
+        spans.append(span)
+        start = text.find('{\n    "name"', end)
+    return spans
+
+
+def spans_of_trace(log: Path, trace_id: int) -> list[dict]:
+    return [s for s in spans_in(log) if s["context"]["trace_id"] == f"0x{trace_id:032x}"]
+
+
+def test_trace_context_crosses_all_services(platform: LocalPlatform, target: str) -> None:
+    caller = SpanContext(TRACE_ID, CALLER_SPAN_ID, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+
+    async def main():
+        async with EngineClient(target) as engine:
+            with trace.use_span(NonRecordingSpan(caller)):  # the client interceptor injects traceparent
+                request = build_request(text=SECRET_PROMPT, max_tokens=4, temperature=0.0, cache_salt=SECRET_SALT)
+                return await engine.complete(request, timeout_s=120)
+
+    completion = run(main())
+    logs = {service.name: service.log_path for service in platform.services}
+    deadline = time.monotonic() + 10
+    while not any(s["name"] == "generate" for s in spans_of_trace(logs["scheduler"], TRACE_ID)):
+        assert time.monotonic() < deadline, "the scheduler exported no request span"
+        time.sleep(0.2)
+    time.sleep(0.5)  # the worker's and tokenizer's batches follow
+
+    scheduler_spans = spans_of_trace(logs["scheduler"], TRACE_ID)
+    server_span = next(s for s in scheduler_spans if s["name"] == "prefixcache.engine.v1.Engine/Generate")
+    assert server_span["parent_id"] == f"0x{CALLER_SPAN_ID:016x}"
+    request_span = next(s for s in scheduler_spans if s["name"] == "generate")
+    attributes = request_span["attributes"]
+    assert attributes["gen_ai.usage.input_tokens"] == completion.usage.prompt_tokens
+    assert attributes["gen_ai.usage.output_tokens"] == completion.usage.completion_tokens == 4
+    assert attributes["gen_ai.usage.cache_read.input_tokens"] == completion.usage.cached_tokens
+    assert attributes["gen_ai.request.model"].startswith("SmolLM2-135M-Instruct@")
+    assert attributes["prefix_cache.block_size"] == 16 and attributes["prefix_cache.hash_algo"] == "sha256"
+    assert attributes["prefix_cache.blocks_queried"] == completion.cache_account.queried_blocks
+    assert attributes["prefix_cache.miss_reason"] == completion.cache_account.miss_reason
+
+    # The tokenizer's server spans (Tokenize, DetokenizeStream) belong to the caller's trace.
+    tokenizer_names = {s["name"] for s in spans_of_trace(logs["tokenizer"], TRACE_ID)}
+    assert {"prefixcache.tokenizer.v1.Tokenizer/Tokenize", "prefixcache.tokenizer.v1.Tokenizer/DetokenizeStream"} <= tokenizer_names
+
+    # Engine steps serve batches: each step span links to the request spans it served, and the
+    # worker's ExecuteStep span is the step span's child.
+    request_span_id = request_span["context"]["span_id"]
+    steps = [
+        s for s in spans_in(logs["scheduler"])
+        if s["name"] == "execute_step" and any(link["context"]["span_id"] == request_span_id for link in s["links"])
+    ]  # fmt: skip
+    assert len(steps) >= 4  # a prefill and three decodes at least
+    worker_parents = {s["parent_id"] for s in spans_in(logs["worker"]) if s["name"].endswith("Worker/ExecuteStep")}
+    assert {s["context"]["span_id"] for s in steps} <= worker_parents
+
+    for log in logs.values():
+        text = log.read_text(errors="replace")
+        assert SECRET_PROMPT not in text and "Zanzibar" not in text
+        assert SECRET_SALT not in text
