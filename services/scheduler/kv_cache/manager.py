@@ -88,6 +88,17 @@ class KVCacheManager:
     evicts the hash they held; blocks in use are never evicted; a finished request releases its
     blocks in reverse order, cached ones to the tail of the free queue and the rest to the head.
     Blocks are cached as soon as the tokens that fill them are scheduled, decode included.
+
+    Args:
+        num_blocks: blocks in the pool, ids 0..num_blocks-1 (all usable: there is no null block).
+        hasher: names blocks; its block size is the manager's.
+        enable_caching: False hashes nothing and reuses nothing.
+        evicted_history: how many evicted hashes, at least, are remembered to tell an "evicted"
+            miss from a "cold" one (default: 4 x num_blocks, at least 1024).
+        max_pending_events: eviction events kept until `drain_events`; older ones are dropped
+            and counted in `CacheStats.events_dropped`.
+
+    Not thread-safe: one scheduler loop owns it.
     """
 
     def __init__(self, num_blocks: int, hasher: BlockHasher, enable_caching: bool = True,
