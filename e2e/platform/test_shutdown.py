@@ -1,0 +1,38 @@
+"""SIGTERM on the scheduler: in-flight streams finish, new requests are refused, the process exits 0."""
+from __future__ import annotations
+
+import signal
+
+import grpc
+import pytest
+from platform_harness import run
+
+from prefixcache.services.cli.launcher import LocalPlatform
+from prefixcache.services.common.engine_client import Completion, EngineClient, build_request
+
+pytestmark = pytest.mark.slow
+
+
+def test_sigterm_lets_in_flight_requests_finish(platform: LocalPlatform, target: str) -> None:
+    async def main() -> tuple[Completion, grpc.StatusCode]:
+        async with EngineClient(target) as engine:
+            request = build_request(text="Once upon a time", max_tokens=24, temperature=0.0, ignore_eos=True)
+            completion = Completion()
+            refused = grpc.StatusCode.OK
+            async for chunk in engine.generate(request, timeout_s=120):
+                completion.add(chunk)
+                if completion.num_chunks == 1:
+                    platform.scheduler.process.send_signal(signal.SIGTERM)
+                    with pytest.raises(grpc.aio.AioRpcError) as error:
+                        await engine.complete(build_request(text="Too late", max_tokens=2), timeout_s=30)
+                    refused = error.value.code()
+            return completion, refused
+
+    completion, refused = run(main())
+    assert completion.finish_reason == "length" and len(completion.token_ids) == 24
+    assert refused == grpc.StatusCode.UNAVAILABLE
+    assert platform.scheduler.wait(timeout_s=30) == 0
+
+    # Bring the scheduler back for the tests that follow (it re-initializes the worker's cache).
+    platform.scheduler.start()
+    run(platform.wait_serving(platform.scheduler, timeout_s=120))
