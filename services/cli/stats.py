@@ -4,8 +4,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from google.protobuf.json_format import MessageToDict
-
 from prefixcache.services.cli.client_args import add_target, report_rpc_errors
 from prefixcache.services.common.engine_client import EngineClient
 
@@ -19,11 +17,8 @@ def run(args: argparse.Namespace) -> int:
     async def main() -> int:
         async with EngineClient(args.target) as engine:
             stats = await engine.cache_stats()
-        fields = MessageToDict(stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-        for name in ("query_tokens", "hit_tokens", "evictions"):  # uint64 comes out as a string in proto JSON
-            fields[name] = int(fields[name])
-        queried = stats.query_tokens
-        fields["hit_rate"] = stats.hit_tokens / queried if queried else 0.0
+        fields: dict[str, object] = {field.name: getattr(stats, field.name) for field in stats.DESCRIPTOR.fields}
+        fields["hit_rate"] = stats.hit_tokens / stats.query_tokens if stats.query_tokens else 0.0
         if args.json:
             print(json.dumps(fields))
         else:

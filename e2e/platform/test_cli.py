@@ -1,0 +1,43 @@
+"""The client subcommands against the running platform, as a user runs them."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def prefixcache(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "prefixcache.services.cli.main", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_generate_json_and_stats(target: str, tmp_path: Path) -> None:
+    system = tmp_path / "system.txt"
+    system.write_text("You are a terse assistant. " * 30)
+    args = ["generate", "What is the capital of France?", "--target", target, "--system", str(system),
+            "--max-tokens", "6", "--temperature", "0", "--json"]  # fmt: skip
+    first = prefixcache(*args)
+    assert first.returncode == 0, first.stderr
+    second = json.loads(prefixcache(*args).stdout)
+    assert set(second) >= {"text", "token_ids", "finish_reason", "usage"}
+    assert second["text"] == json.loads(first.stdout)["text"] and len(second["token_ids"]) <= 6
+    usage = second["usage"]
+    assert usage["completion_tokens"] == len(second["token_ids"])
+    assert usage["cached_tokens"] == usage["prompt_tokens"] // 16 * 16 - (16 if usage["prompt_tokens"] % 16 == 0 else 0)
+
+    stats = prefixcache("stats", "--target", target, "--json")
+    assert stats.returncode == 0, stats.stderr
+    counters = json.loads(stats.stdout)
+    assert counters["hit_tokens"] >= usage["cached_tokens"] and counters["block_size"] == 16
+
+
+def test_a_failed_call_exits_non_zero_with_the_status(target: str) -> None:
+    result = prefixcache("generate", "hi", "--target", target, "--top-p", "2")
+    assert result.returncode == 1
+    assert result.stderr.strip() == "error: INVALID_ARGUMENT: sampling.top_p: must be in (0, 1], got 2.0"
