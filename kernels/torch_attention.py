@@ -4,13 +4,19 @@ Per step, the batch splits three ways (`TorchAttentionPlan`, built once and shar
 
 - fresh prefills (no cached context) attend causally over this step's own keys and values, with no
   gather at all;
-- prefill chunks with cached context gather their whole sequence from the cache (this step's tokens
-  included: they were written first) and attend under an explicit mask, since SDPA's `is_causal`
-  aligns the diagonal top-left and our queries sit at the end of the sequence;
+- prefill chunks with cached context gather their sequence's blocks from the cache (this step's
+  tokens included: they were written first) and attend under an explicit mask, since SDPA's
+  `is_causal` aligns the diagonal top-left and our queries sit at the end of the sequence;
 - decodes attend in groups, one SDPA call each: sorted by length and cut where padding to the
   group's longest member would waste much (`MAX_DECODE_PADDING`). On one thread a group costs about
   what one call per decode does (both are bound by reading the cache); with more threads one call
   parallelises over sequences and heads, which pays unless most of what it reads is padding.
+
+Gathers copy whole blocks (`index_select` over the block axis), which moves the same bytes as a
+per-position gather in far fewer, larger copies. A padded decode group therefore reads, masked out,
+the unused tail of each shorter member's last block: a cache must hold finite values in every slot
+of the blocks in a table (`allocate_kv_cache` zero-fills; stale keys and values are finite), since a
+zero weight times NaN is still NaN.
 
 GQA costs no copies: the query heads of one key/value head are consecutive, so a `[.., num_q_heads, D]`
 query viewed as `[.., num_kv_heads, group, D]` is a batch of `group` queries per key/value head. SDPA
@@ -39,7 +45,8 @@ class FreshPrefill:
 @dataclass
 class ContextPrefill:
     tokens: slice
-    kv_slots: torch.Tensor  # [seq_len] int64: cache slot of each position of the sequence
+    blocks: torch.Tensor  # [num_blocks] int64: the sequence's blocks, in order
+    seq_len: int
     visible: torch.Tensor  # [query_len, seq_len] bool
 
 
@@ -52,7 +59,8 @@ class Decode(NamedTuple):
 @dataclass
 class DecodeBatch:
     token_index: torch.Tensor  # [num_decodes] int64: rows of the decodes in the packed batch
-    kv_slots: torch.Tensor  # [num_decodes, max_len] int64, padded with each sequence's first slot
+    blocks: torch.Tensor  # [num_decodes, blocks of the longest] int64, padded with each row's first block
+    max_len: int
     visible: torch.Tensor | None  # [num_decodes, 1, 1, max_len] bool; None when no row is padded
 
 
@@ -76,18 +84,14 @@ class TorchAttentionPlan:
             elif query_len == 1:
                 decodes.append(Decode(seq_len, seq, start))
             else:
+                blocks = meta.block_tables[seq, : -(-seq_len // block_size)].long()
                 positions = torch.arange(seq_len, device=device)
-                kv_slots = _slots(meta.block_tables[seq], positions, block_size)
                 query_positions = torch.arange(seq_len - query_len, seq_len, device=device)
                 visible = positions[None, :] <= query_positions[:, None]
-                context.append(ContextPrefill(tokens, kv_slots, visible))
+                context.append(ContextPrefill(tokens, blocks, seq_len, visible))
             start += query_len
         batches = [_decode_batch(meta, group, block_size) for group in _group_decodes(decodes)]
         return cls(fresh, context, batches)
-
-
-def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    return block_table[positions // block_size].long() * block_size + positions % block_size
 
 
 def _group_decodes(decodes: list[Decode]) -> list[list[Decode]]:
@@ -112,18 +116,17 @@ def _decode_batch(meta: AttentionMetadata, group: list[Decode], block_size: int)
     lens = [decode.seq_len for decode in group]
     tokens = [decode.token for decode in group]
     max_len = lens[0]
-    positions = torch.arange(max_len, device=device)
-    tables = meta.block_tables[torch.tensor([decode.seq for decode in group], device=device)]
-    blocks = tables[:, positions // block_size].long()
-    kv_slots = blocks * block_size + positions % block_size
+    num_blocks = -(-max_len // block_size)
+    blocks = meta.block_tables[torch.tensor([decode.seq for decode in group], device=device), :num_blocks].long()
     visible = None
     if min(lens) != max_len:
-        # Padded positions read table padding: point them at the row's first slot, which holds real
-        # data, so that the masked-out values are finite (a zero weight times NaN is still NaN).
-        valid = positions[None, :] < torch.tensor(lens, device=device)[:, None]
-        kv_slots = torch.where(valid, kv_slots, kv_slots[:, :1])
-        visible = valid[:, None, None, :]
-    return DecodeBatch(torch.tensor(tokens, device=device), kv_slots, visible)
+        # Past its own blocks a row holds table padding, which may name any block: read the row's
+        # first block there instead, which is finite (see the module docstring), and mask it out.
+        lens_tensor = torch.tensor(lens, device=device)[:, None]
+        owned = torch.arange(num_blocks, device=device)[None, :] < -(-lens_tensor // block_size)
+        blocks = torch.where(owned, blocks, blocks[:, :1])
+        visible = (torch.arange(max_len, device=device)[None, :] < lens_tensor)[:, None, None, :]
+    return DecodeBatch(torch.tensor(tokens, device=device), blocks, max_len, visible)
 
 
 def write_kv_torch(
@@ -146,8 +149,6 @@ def attend_torch(
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     num_kv_heads, head_dim = key_cache.shape[2:]
     group = query.shape[1] // num_kv_heads
-    flat_keys = key_cache.view(-1, num_kv_heads, head_dim)
-    flat_values = value_cache.view(-1, num_kv_heads, head_dim)
     output = torch.empty_like(query)
 
     for prefill in plan.fresh_prefills:
@@ -155,20 +156,25 @@ def attend_torch(
         output[rows] = _sdpa_prefill(query[rows], key[rows], value[rows], None, scale)
     for prefill in plan.context_prefills:
         rows = prefill.tokens
-        keys = flat_keys.index_select(0, prefill.kv_slots)
-        values = flat_values.index_select(0, prefill.kv_slots)
+        keys = _gather_blocks(key_cache, prefill.blocks)[: prefill.seq_len]  # [seq_len, num_kv_heads, D]
+        values = _gather_blocks(value_cache, prefill.blocks)[: prefill.seq_len]
         output[rows] = _sdpa_prefill(query[rows], keys, values, prefill.visible, scale)
     for decodes in plan.decode_batches:
-        num_decodes, max_len = decodes.kv_slots.shape
-        slots = decodes.kv_slots.view(-1)
-        keys = flat_keys.index_select(0, slots).view(num_decodes, max_len, num_kv_heads, head_dim)
-        values = flat_values.index_select(0, slots).view(num_decodes, max_len, num_kv_heads, head_dim)
+        num_decodes = decodes.blocks.shape[0]
+        keys = _gather_blocks(key_cache, decodes.blocks)[:, : decodes.max_len]  # [num_decodes, max_len, heads, D]
+        values = _gather_blocks(value_cache, decodes.blocks)[:, : decodes.max_len]
         queries = query.index_select(0, decodes.token_index).view(num_decodes, num_kv_heads, group, head_dim)
         attended = F.scaled_dot_product_attention(
             queries, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=decodes.visible, scale=scale
         )
         output.index_copy_(0, decodes.token_index, attended.reshape(num_decodes, -1, head_dim))
     return output
+
+
+def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """`[..., num_blocks]` block ids -> `[..., num_blocks * block_size, num_kv_heads, head_dim]` positions."""
+    gathered = cache.index_select(0, blocks.reshape(-1))
+    return gathered.view(*blocks.shape[:-1], -1, *cache.shape[2:])
 
 
 def _sdpa_prefill(

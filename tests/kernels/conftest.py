@@ -103,12 +103,15 @@ def make_paged_batch(
     seed: int = 0,
     spare_blocks: int = 5,
 ) -> PagedBatch:
-    """Random inputs (never zeros) and block tables drawn from a shuffled pool with unused blocks in it."""
+    """Random inputs (never zeros) and block tables drawn from a shuffled pool with unused blocks in it.
+
+    Block 0 is never handed out: table padding is 0, so a kernel that reads padding reads a spare block.
+    """
     generator = torch.Generator().manual_seed(seed)
     seq_lens = [context + new for context, new in sequences]
     blocks_needed = [-(-seq_len // block_size) for seq_len in seq_lens]
     num_blocks = sum(blocks_needed) + spare_blocks
-    pool = torch.randperm(num_blocks, generator=generator).tolist()
+    pool = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
     block_tables = []
     for count in blocks_needed:
         block_tables.append(pool[:count])
