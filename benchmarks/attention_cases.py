@@ -103,4 +103,5 @@ def median_ms(function: Callable[[], object], repeats: int = 20, warmup: int = 3
 def print_table(header: list[str], rows: list[list[str]]) -> None:
     widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
     for line in [header, ["-" * width for width in widths], *rows]:
-        print("  ".join(str(cell).rjust(width) if i else str(cell).ljust(width) for i, (cell, width) in enumerate(zip(line, widths))))
+        cells = [line[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(line[1:], widths[1:])]
+        print("  ".join(cells))

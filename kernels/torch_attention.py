@@ -130,7 +130,11 @@ def _decode_batch(meta: AttentionMetadata, group: list[Decode], block_size: int)
 
 
 def write_kv_torch(
-    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
 ) -> None:
     """Write `key[t]`/`value[t]` into cache slot `slot_mapping[t]` (caches must be contiguous)."""
     num_kv_heads, head_dim = key_cache.shape[2:]
