@@ -172,3 +172,16 @@ def test_a_full_waiting_queue_is_resource_exhausted(target: str) -> None:
     codes = run(main())
     assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
     assert codes.count(grpc.StatusCode.OK) >= 16
+
+
+def test_a_deadline_ends_the_request_and_frees_its_blocks(target: str) -> None:
+    async def main() -> grpc.StatusCode:
+        async with EngineClient(target) as engine:
+            request = build_request(text="Recite a very long poem.", max_tokens=400, temperature=0.0, ignore_eos=True)
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await engine.complete(request, timeout_s=1.5)
+            return error.value.code()
+
+    assert run(main()) == grpc.StatusCode.DEADLINE_EXCEEDED
+    stats = run(wait_idle(target, timeout_s=10))
+    assert stats.used_blocks == 0 and stats.running_requests == 0

@@ -63,6 +63,7 @@ def tracing_enabled() -> bool:
 
 
 def _configured_exporters() -> list[Any]:
+    """The span exporters the environment asks for (none when nothing is configured)."""
     names = os.environ.get("OTEL_TRACES_EXPORTER")
     if names is None:
         endpoint_set = any(

@@ -34,6 +34,7 @@ from prefixcache.services.scheduler.engine_core import (
     RequestOutput,
     RequestRejected,
 )
+from prefixcache.services.scheduler.stop_strings import StopStringMatcher
 from prefixcache.services.scheduler.tenancy import TenantSalts
 from prefixcache.services.scheduler.tokenizer_client import StreamingDetokenizer, TokenizerClient
 
@@ -256,12 +257,7 @@ class _Stream:
         self._request_id = request_id
         self._engine = engine
         self._detokenizer = detokenizer
-        self._stops = stops
-        # Text that could still be the start of a stop string is held back until it cannot.
-        self._hold = max((len(s) for s in stops), default=1) - 1
-        self._text = ""
-        self._emitted = 0  # characters of _text already sent
-        self._stopped_by_string = False
+        self._stops = StopStringMatcher(stops)
         self.finished = False
         self.last: RequestOutput | None = None
         self.account = None
@@ -274,32 +270,17 @@ class _Stream:
             if output.cache_account is not None:
                 self.account = output.cache_account
             text = ""
-            if not self._stopped_by_string:
-                text = self._take_text(await self._detokenizer.push(output.new_token_ids), output.finished)
+            if not self._stops.stopped:
+                text = self._stops.push(await self._detokenizer.push(output.new_token_ids), final=output.finished)
+                if self._stops.stopped:
+                    self._engine.abort(self._request_id)  # its final output, with the usage, follows
             if output.finished:
                 self.finished = True
-                reason = "stop" if self._stopped_by_string else output.finish_reason
+                reason = "stop" if self._stops.stopped else output.finish_reason
                 yield self._response(output, text, reason)
                 return
             if output.new_token_ids or text or output.cache_account is not None:
                 yield self._response(output, text, None)
-
-    def _take_text(self, piece: str, final: bool) -> str:
-        self._text += piece
-        if self._stops:
-            start = max(0, self._emitted - self._hold)
-            hits = [i for i in (self._text.find(s, start) for s in self._stops) if i >= 0]
-            if hits:
-                self._text = self._text[: min(hits)]
-                self._stopped_by_string = True
-                self._engine.abort(self._request_id)  # its final output follows with the usage
-                final = True
-        end = len(self._text) if final else len(self._text) - self._hold
-        if end <= self._emitted:
-            return ""
-        text = self._text[self._emitted : end]
-        self._emitted = end
-        return text
 
     def _response(self, output: RequestOutput, text: str, reason: str | None) -> pb.GenerateResponse:
         response = pb.GenerateResponse(request_id=self._request_id, token_ids=output.new_token_ids, text=text)
@@ -327,7 +308,7 @@ class _Stream:
             span.set_attribute("gen_ai.usage.output_tokens", usage.completion_tokens)
             span.set_attribute("gen_ai.usage.cache_read.input_tokens", usage.cached_tokens)
         if self.last is not None and self.last.finish_reason is not None:
-            reason = "stop" if self._stopped_by_string else self.last.finish_reason
+            reason = "stop" if self._stops.stopped else self.last.finish_reason
             span.set_attribute("gen_ai.response.finish_reasons", [reason])
         if self.account is not None:
             span.set_attribute("prefix_cache.blocks_queried", self.account.queried_blocks)

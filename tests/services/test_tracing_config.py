@@ -1,0 +1,39 @@
+"""Which exporter the OTEL_* environment selects (the SDK reads the rest itself)."""
+from __future__ import annotations
+
+import pytest
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+from prefixcache.services.common.tracing import _configured_exporters
+
+OTEL_VARS = ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in OTEL_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_nothing_configured_means_no_exporter() -> None:
+    assert _configured_exporters() == []
+
+
+def test_an_otlp_endpoint_alone_turns_otlp_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://collector:4317")
+    assert [type(e) for e in _configured_exporters()] == [OTLPSpanExporter]
+
+
+def test_exporters_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console, otlp")
+    assert [type(e) for e in _configured_exporters()] == [ConsoleSpanExporter, OTLPSpanExporter]
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317")
+    assert _configured_exporters() == []  # an explicit "none" wins over an endpoint
+
+
+def test_an_unknown_exporter_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin")
+    with pytest.raises(ValueError, match="OTEL_TRACES_EXPORTER"):
+        _configured_exporters()
