@@ -85,15 +85,12 @@ def schema_problems(schema: Mapping[str, Any], value: Any, prefix: str = "spec")
     return sorted(problems)
 
 
-def defaulted_spec(raw_spec: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Default and structurally validate a raw `.spec`; raises SpecError naming every bad field."""
-    schema = spec_schema()
+def defaulted_spec(raw_spec: Mapping[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
+    """A raw `.spec` with defaults applied, and its structural problems (empty when valid)."""
     if raw_spec is None:
         raw_spec = {}
     if not isinstance(raw_spec, Mapping):
-        raise SpecError([f"spec: must be an object, got {type(raw_spec).__name__}"])
+        return {}, [f"spec: must be an object, got {type(raw_spec).__name__}"]
+    schema = spec_schema()
     spec = apply_defaults(schema, dict(raw_spec))
-    problems = schema_problems(schema, spec)
-    if problems:
-        raise SpecError(problems)
-    return spec
+    return spec, schema_problems(schema, spec)

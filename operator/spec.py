@@ -71,15 +71,25 @@ class PrefixCacheSpec:
 
 def parse_spec(raw_spec: Mapping[str, Any] | None) -> PrefixCacheSpec:
     """Default and validate a raw `.spec` (as stored in the cluster); raises SpecError naming each field."""
-    spec = defaulted_spec(raw_spec)
-    problems = _model_problems(spec["model"])
-    kv_bytes, kv_problem = _whole_bytes(spec["kvCacheMemory"])
-    if kv_problem:
-        problems.append(f"spec.kvCacheMemory: {kv_problem}")
-    for section in ("worker", "scheduler", "tokenizer"):
-        problems += _resource_problems(spec[section]["resources"], f"spec.{section}.resources")
-    if problems:
+    spec, problems = defaulted_spec(raw_spec)
+    if not spec:
         raise SpecError(problems)
+
+    def well_formed(field: str) -> bool:  # the finer rules below need their field to be structurally sound
+        return not any(p.startswith((f"{field}:", f"{field}.")) for p in problems)
+
+    rules = []
+    if well_formed("spec.model"):
+        rules += _model_problems(spec["model"])
+    kv_bytes = 0
+    if well_formed("spec.kvCacheMemory"):
+        kv_bytes, kv_problem = _whole_bytes(spec["kvCacheMemory"])
+        rules += [f"spec.kvCacheMemory: {kv_problem}"] if kv_problem else []
+    for section in ("worker", "scheduler", "tokenizer"):
+        if well_formed(f"spec.{section}"):
+            rules += _resource_problems(spec[section]["resources"], f"spec.{section}.resources")
+    if problems or rules:
+        raise SpecError(sorted(problems + rules))
 
     model = spec["model"]
     worker = spec["worker"]

@@ -1,0 +1,159 @@
+"""The real operator (kopf, the handlers module, the official client) against an emulated Kubernetes API
+over HTTP: create, update, readiness, invalid specs, foreign objects, and salts that never leak."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from kubernetes import client, config
+
+from conftest import EmulatedCluster, running_operator
+from prefixcache.operator.schema import GROUP, KIND, PLURAL, VERSION
+
+NAMESPACE = "default"
+SALT_VALUES = ("salt-for-acme-7f3a9c", "salt-for-globex-41d2e8")
+
+
+@pytest.fixture(scope="module")
+def operator(emulated_cluster: EmulatedCluster) -> Iterator[Any]:
+    with running_operator() as runner:
+        yield runner
+    assert runner.exception is None, runner.output[-4000:]
+
+
+@pytest.fixture(scope="module")
+def api(emulated_cluster: EmulatedCluster) -> client.ApiClient:
+    return config.new_client_from_config()
+
+
+def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 15.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def create(api: client.ApiClient, name: str, spec: dict[str, Any], uid: str) -> None:
+    # The emulator stamps no uid, generation or resourceVersion: set them as an API server would.
+    body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "spec": spec,
+            "metadata": {"name": name, "namespace": NAMESPACE, "uid": uid, "generation": 1, "resourceVersion": "1"}}
+    client.CustomObjectsApi(api).create_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, body)
+
+
+def get(api: client.ApiClient, name: str) -> dict[str, Any]:
+    return client.CustomObjectsApi(api).get_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name)
+
+
+def condition(api: client.ApiClient, name: str, type_: str) -> dict[str, Any] | None:
+    conditions = (get(api, name).get("status") or {}).get("conditions") or []
+    return next((c for c in conditions if c["type"] == type_), None)
+
+
+def deployment(api: client.ApiClient, name: str) -> dict[str, Any] | None:
+    try:
+        response = client.AppsV1Api(api).read_namespaced_deployment(name, NAMESPACE, _preload_content=False)
+    except client.ApiException as error:
+        if error.status == 404:
+            return None
+        raise
+    return json.loads(response.data)
+
+
+def args_of(deployment_body: dict[str, Any], container: str) -> list[str]:
+    (found,) = [c for c in deployment_body["spec"]["template"]["spec"]["containers"] if c["name"] == container]
+    return found["args"]
+
+
+def test_create_renders_the_stack_and_reports_readiness(operator: Any, api: client.ApiClient) -> None:
+    create(api, "alpha", {"replicas": 2, "blockSize": 32}, uid="uid-alpha")
+    engine = wait_for(lambda: deployment(api, "alpha-engine"), "the engine Deployment")
+    assert engine["metadata"]["ownerReferences"][0]["uid"] == "uid-alpha"
+    assert "--block-size" in args_of(engine, "scheduler") and "32" in args_of(engine, "scheduler")
+    assert wait_for(lambda: deployment(api, "alpha-tokenizer"), "the tokenizer Deployment")
+    services = {s.metadata.name for s in client.CoreV1Api(api).list_namespaced_service(NAMESPACE).items}
+    assert {"alpha", "alpha-tokenizer"} <= services
+
+    reconciled = wait_for(lambda: condition(api, "alpha", "Reconciled"), "Reconciled")
+    assert (reconciled["status"], reconciled["reason"], reconciled["observedGeneration"]) == ("True", "Applied", 1)
+    status = get(api, "alpha")["status"]
+    assert status["engineEndpoint"] == "alpha.default.svc:50051" and status["replicas"] == 2
+    assert condition(api, "alpha", "Ready")["status"] == "False"
+
+    # Play the Deployment controller: the children become available, and Ready follows.
+    apps = client.AppsV1Api(api)
+    apps.patch_namespaced_deployment_status("alpha-tokenizer", NAMESPACE, {"status": {"availableReplicas": 1}})
+    apps.patch_namespaced_deployment_status("alpha-engine", NAMESPACE, {"status": {"availableReplicas": 1}})
+    waiting = wait_for(lambda: (c := condition(api, "alpha", "Ready"))
+                       and c["message"] == "1 of 2 engine replicas available" and c, "1 of 2 replicas available")
+    assert (waiting["status"], waiting["reason"]) == ("False", "Progressing")
+    apps.patch_namespaced_deployment_status("alpha-engine", NAMESPACE, {"status": {"availableReplicas": 2}})
+    ready = wait_for(lambda: (c := condition(api, "alpha", "Ready")) and c["status"] == "True" and c, "Ready=True")
+    assert ready["reason"] == "Available"
+    assert get(api, "alpha")["status"]["availableReplicas"] == 2
+
+
+def test_update_rolls_the_new_spec_out(operator: Any, api: client.ApiClient) -> None:
+    create(api, "beta", {}, uid="uid-beta")
+    wait_for(lambda: deployment(api, "beta-engine"), "the engine Deployment")
+    patch = {"metadata": {"generation": 2}, "spec": {"hashAlgorithm": "xxhash", "enablePrefixCaching": False,
+                                                      "otel": {"endpoint": "http://otel:4317"}}}
+    client.CustomObjectsApi(api).patch_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, "beta", patch)
+    engine = wait_for(lambda: (d := deployment(api, "beta-engine")) and "--no-prefix-caching" in args_of(d, "scheduler")
+                      and d, "the updated engine Deployment")
+    assert args_of(engine, "scheduler")[args_of(engine, "scheduler").index("--hash-algo") + 1] == "xxhash"
+    config_map = client.CoreV1Api(api).read_namespaced_config_map("beta-env", NAMESPACE)
+    assert config_map.data["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel:4317"
+    wait_for(lambda: condition(api, "beta", "Reconciled")["observedGeneration"] == 2, "observedGeneration 2")
+
+
+def test_invalid_spec_is_reported_and_renders_nothing(operator: Any, api: client.ApiClient) -> None:
+    # The API server would refuse this spec; an older CRD or a bypassed webhook must not get it rendered.
+    create(api, "broken", {"blockSize": 24, "model": {"source": "PersistentVolumeClaim"}}, uid="uid-broken")
+    reconciled = wait_for(lambda: condition(api, "broken", "Reconciled"), "Reconciled")
+    assert (reconciled["status"], reconciled["reason"]) == ("False", "InvalidSpec")
+    assert "spec.blockSize: must be one of" in reconciled["message"]
+    assert "model.claimName is required" in reconciled["message"]
+    assert condition(api, "broken", "Ready")["reason"] == "InvalidSpec"
+    assert deployment(api, "broken-engine") is None and deployment(api, "broken-tokenizer") is None
+
+
+def test_foreign_object_with_the_same_name_is_left_alone(operator: Any, api: client.ApiClient) -> None:
+    foreign = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "gamma-env", "namespace": NAMESPACE},
+               "data": {"owner": "someone else"}}
+    client.CoreV1Api(api).create_namespaced_config_map(NAMESPACE, foreign)
+    create(api, "gamma", {}, uid="uid-gamma")
+    reconciled = wait_for(lambda: condition(api, "gamma", "Reconciled"), "Reconciled")
+    assert (reconciled["status"], reconciled["reason"]) == ("False", "NotOwned")
+    assert "ConfigMap default/gamma-env already exists" in reconciled["message"]
+    assert client.CoreV1Api(api).read_namespaced_config_map("gamma-env", NAMESPACE).data == {"owner": "someone else"}
+
+
+def test_tenant_salts_never_leave_their_secret(operator: Any, api: client.ApiClient,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)  # every log line of the operator and kopf, from all threads
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "tenant-salts", "namespace": NAMESPACE},
+              "stringData": dict(zip(("acme", "globex"), SALT_VALUES))}
+    client.CoreV1Api(api).create_namespaced_secret(NAMESPACE, secret)
+    create(api, "delta", {"tenantSalts": {"secretName": "tenant-salts"}}, uid="uid-delta")
+    engine = wait_for(lambda: deployment(api, "delta-engine"), "the engine Deployment")
+    assert {"name": "tenant-salts", "secret": {"secretName": "tenant-salts", "defaultMode": 0o440}} in \
+        engine["spec"]["template"]["spec"]["volumes"]
+    wait_for(lambda: condition(api, "delta", "Reconciled"), "Reconciled")
+
+    core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
+    everything = json.dumps([
+        get(api, "delta"),
+        [json.loads(apps.list_namespaced_deployment(NAMESPACE, _preload_content=False).data)],
+        [json.loads(core.list_namespaced_service(NAMESPACE, _preload_content=False).data)],
+        [json.loads(core.list_namespaced_config_map(NAMESPACE, _preload_content=False).data)],
+    ])
+    for salt in SALT_VALUES:
+        assert salt not in everything
+        assert salt not in caplog.text
+    assert "delta" in caplog.text  # the capture did see the operator at work

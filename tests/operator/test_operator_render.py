@@ -1,0 +1,199 @@
+"""The pure renderer: every object validates against the official Kubernetes schemas (strict), and the
+objects say exactly what the spec says."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_validate.utils import ValidationError
+
+from prefixcache.operator.render import CONFIG_HASH_ANNOTATION, Owner, render
+from prefixcache.operator.spec import parse_spec
+
+OWNER = Owner(name="chat", namespace="serving", uid="6a1f0c9e-0000-4000-8000-000000000001")
+FULL_SPEC = {
+    "replicas": 3, "blockSize": 32, "hashAlgorithm": "xxhash", "enablePrefixCaching": False, "maxNumSeqs": 64,
+    "kvCacheMemory": "6Gi", "image": "registry.example/prefixcache:1.2.3", "imagePullPolicy": "Always",
+    "model": {"source": "PersistentVolumeClaim", "claimName": "models", "path": "hf/SmolLM2-135M-Instruct/",
+              "id": "HuggingFaceTB/SmolLM2-135M-Instruct"},
+    "tenantSalts": {"secretName": "tenant-salts"},
+    "worker": {"gpus": 2, "dtype": "bfloat16", "attentionBackend": "triton",
+               "resources": {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "32Gi"}}},
+    "scheduler": {"resources": {"requests": {"cpu": "500m"}}},
+    "tokenizer": {"replicas": 2},
+    "otel": {"endpoint": "http://otel-collector.observability:4317"},
+    "terminationGracePeriodSeconds": 120,
+}
+
+
+def by_name(objects: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(o["kind"], o["metadata"]["name"]): o for o in objects}
+
+
+def containers(deployment: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in deployment["spec"]["template"]["spec"]["containers"]}
+
+
+@pytest.fixture(params=[pytest.param({}, id="defaults"), pytest.param(FULL_SPEC, id="every-field")])
+def rendered(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return render(OWNER, parse_spec(request.param))
+
+
+@pytest.mark.parametrize("version", ["1.33", "1.37"])
+def test_every_object_validates_strictly(rendered: list[dict[str, Any]], version: str) -> None:
+    for obj in rendered:
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_strict_validation_catches_a_misspelt_field() -> None:
+    """The check above can fail: an unknown field in a pod spec is rejected."""
+    deployment = by_name(render(OWNER, parse_spec({})))["Deployment", "chat-engine"]
+    deployment["spec"]["template"]["spec"]["containers"][0]["livenessprobe"] = {}
+    with pytest.raises(ValidationError):
+        kubernetes_validate.validate(deployment, "1.33", strict=True)
+
+
+def test_the_stack_and_its_ownership(rendered: list[dict[str, Any]]) -> None:
+    assert sorted(by_name(rendered)) == [("ConfigMap", "chat-env"), ("Deployment", "chat-engine"),
+                                         ("Deployment", "chat-tokenizer"), ("Service", "chat"),
+                                         ("Service", "chat-tokenizer")]
+    for obj in rendered:
+        assert obj["metadata"]["namespace"] == "serving"
+        assert obj["metadata"]["ownerReferences"] == [{
+            "apiVersion": "prefixcache.dev/v1alpha1", "kind": "PrefixCacheDeployment", "name": "chat",
+            "uid": OWNER.uid, "controller": True, "blockOwnerDeletion": True}]
+
+
+def test_services_select_their_pods(rendered: list[dict[str, Any]]) -> None:
+    objects = by_name(rendered)
+    for service, deployment, port in (("chat", "chat-engine", 50051), ("chat-tokenizer", "chat-tokenizer", 50052)):
+        spec = objects["Service", service]["spec"]
+        pod_labels = objects["Deployment", deployment]["spec"]["template"]["metadata"]["labels"]
+        assert spec["selector"].items() <= pod_labels.items()
+        assert spec["ports"][0]["port"] == port and spec["ports"][0]["targetPort"] == "grpc"
+    engine_pods = objects["Deployment", "chat-engine"]["spec"]["template"]["metadata"]["labels"]
+    assert not objects["Service", "chat-tokenizer"]["spec"]["selector"].items() <= engine_pods.items()
+
+
+def test_spec_becomes_exact_command_lines() -> None:
+    objects = by_name(render(OWNER, parse_spec(FULL_SPEC)))
+    engine = containers(objects["Deployment", "chat-engine"])
+    assert engine["scheduler"]["args"] == [
+        "scheduler", "--port", "50051", "--tokenizer", "chat-tokenizer.serving.svc:50052",
+        "--worker", "127.0.0.1:50053", "--block-size", "32", "--hash-algo", "xxhash", "--max-num-seqs", "64",
+        "--no-prefix-caching"]
+    assert engine["worker"]["args"] == [
+        "worker", "--port", "50053", "--model-dir", "/models/hf/SmolLM2-135M-Instruct",
+        "--kv-cache-memory", str(6 * 2**30), "--dtype", "bfloat16", "--attention-backend", "triton"]
+    tokenizer = containers(objects["Deployment", "chat-tokenizer"])["tokenizer"]
+    assert tokenizer["args"] == ["tokenizer", "--port", "50052", "--model-dir", "/models/hf/SmolLM2-135M-Instruct"]
+    assert objects["Deployment", "chat-engine"]["spec"]["replicas"] == 3
+    assert objects["Deployment", "chat-tokenizer"]["spec"]["replicas"] == 2
+    assert {c["image"] for c in [*engine.values(), tokenizer]} == {"registry.example/prefixcache:1.2.3"}
+
+
+def test_defaults_use_the_embedded_model_and_leave_worker_choices_to_the_worker() -> None:
+    objects = by_name(render(OWNER, parse_spec({})))
+    engine = containers(objects["Deployment", "chat-engine"])
+    assert engine["worker"]["args"] == ["worker", "--port", "50053", "--model-dir",
+                                        "/opt/prefixcache/models/SmolLM2-135M-Instruct",
+                                        "--kv-cache-memory", str(2 * 2**30)]
+    assert "--no-prefix-caching" not in engine["scheduler"]["args"]
+    pod = objects["Deployment", "chat-engine"]["spec"]["template"]["spec"]
+    assert [v["name"] for v in pod["volumes"]] == ["tmp"]  # no model volume, no salts volume
+
+
+def test_worker_gets_gpus_and_resources() -> None:
+    engine = containers(by_name(render(OWNER, parse_spec(FULL_SPEC)))["Deployment", "chat-engine"])
+    assert engine["worker"]["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"},
+                                             "limits": {"memory": "32Gi", "nvidia.com/gpu": "2"}}
+    assert engine["scheduler"]["resources"] == {"requests": {"cpu": "500m"}}
+    cpu_only = containers(by_name(render(OWNER, parse_spec({"worker": {"gpus": 0}})))["Deployment", "chat-engine"])
+    assert "resources" not in cpu_only["worker"]
+
+
+def test_model_claim_is_mounted_read_only_where_needed() -> None:
+    objects = by_name(render(OWNER, parse_spec(FULL_SPEC)))
+    for deployment, container in (("chat-engine", "worker"), ("chat-tokenizer", "tokenizer")):
+        pod = objects["Deployment", deployment]["spec"]["template"]["spec"]
+        assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod["volumes"]
+        mounts = {m["name"]: m for c in pod["containers"] if c["name"] == container for m in c["volumeMounts"]}
+        assert mounts["model"] == {"name": "model", "mountPath": "/models", "readOnly": True}
+    scheduler = containers(objects["Deployment", "chat-engine"])["scheduler"]
+    assert "model" not in {m["name"] for m in scheduler["volumeMounts"]}
+
+
+def test_every_container_is_probed_over_grpc_health(rendered: list[dict[str, Any]]) -> None:
+    for deployment in (o for o in rendered if o["kind"] == "Deployment"):
+        for container in containers(deployment).values():
+            port = container["ports"][0]["containerPort"]
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert container[probe]["grpc"] == {"port": port}, (container["name"], probe)
+    worker = containers(by_name(rendered)["Deployment", "chat-engine"])["worker"]
+    startup = worker["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # room to load the model
+
+
+def test_grace_period_and_gpu_safe_rollout() -> None:
+    objects = by_name(render(OWNER, parse_spec(FULL_SPEC)))
+    engine = objects["Deployment", "chat-engine"]["spec"]
+    assert engine["template"]["spec"]["terminationGracePeriodSeconds"] == 120
+    assert engine["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+
+
+def test_tracing_is_configured_through_the_config_map() -> None:
+    objects = by_name(render(OWNER, parse_spec(FULL_SPEC)))
+    data = objects["ConfigMap", "chat-env"]["data"]
+    assert data["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability:4317"
+    assert data["OTEL_TRACES_EXPORTER"] == "otlp"
+    for deployment in ("chat-engine", "chat-tokenizer"):
+        for container in containers(objects["Deployment", deployment]).values():
+            assert container["envFrom"] == [{"configMapRef": {"name": "chat-env"}}]
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            assert env["OTEL_SERVICE_NAME"] == f"prefixcache-{container['name']}"
+    untraced = by_name(render(OWNER, parse_spec({})))["ConfigMap", "chat-env"]["data"]
+    assert untraced["OTEL_TRACES_EXPORTER"] == "none" and "OTEL_EXPORTER_OTLP_ENDPOINT" not in untraced
+
+
+def test_config_change_rolls_the_pods_and_nothing_else_does() -> None:
+    def hashes(raw: dict[str, Any]) -> set[str]:
+        objects = render(OWNER, parse_spec(raw))
+        return {o["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
+                for o in objects if o["kind"] == "Deployment"}
+
+    assert len(hashes({})) == 1
+    assert hashes({}) == hashes({"replicas": 5})
+    assert hashes({}) != hashes({"otel": {"endpoint": "http://otel:4317"}})
+
+
+def test_tenant_salts_travel_only_as_a_secret_volume_of_the_scheduler() -> None:
+    objects = by_name(render(OWNER, parse_spec(FULL_SPEC)))
+    pod = objects["Deployment", "chat-engine"]["spec"]["template"]["spec"]
+    assert {"name": "tenant-salts", "secret": {"secretName": "tenant-salts", "defaultMode": 0o440}} in pod["volumes"]
+    engine = containers(objects["Deployment", "chat-engine"])
+    salt_mounts = [(name, m) for name, c in engine.items() for m in c["volumeMounts"] if m["name"] == "tenant-salts"]
+    assert salt_mounts == [("scheduler", {"name": "tenant-salts", "mountPath": "/etc/prefixcache/tenant-salts",
+                                          "readOnly": True})]
+    env = {e["name"]: e for e in engine["scheduler"]["env"]}
+    assert env["PREFIXCACHE_TENANT_SALTS_DIR"] == {"name": "PREFIXCACHE_TENANT_SALTS_DIR",
+                                                   "value": "/etc/prefixcache/tenant-salts"}
+    for obj in objects.values():  # no env var is ever sourced from a Secret, no ConfigMap mentions one
+        assert "secretKeyRef" not in json.dumps(obj) and "secretRef" not in json.dumps(obj)
+    assert "tenant-salts" not in yaml.safe_dump(objects["ConfigMap", "chat-env"])
+
+
+def test_pods_run_unprivileged_without_api_access(rendered: list[dict[str, Any]]) -> None:
+    for deployment in (o for o in rendered if o["kind"] == "Deployment"):
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["automountServiceAccountToken"] is False
+        for container in pod["containers"]:
+            assert container["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_rendering_is_deterministic() -> None:
+    spec = parse_spec(FULL_SPEC)
+    assert json.dumps(render(OWNER, spec), sort_keys=True) == json.dumps(render(OWNER, spec), sort_keys=True)
