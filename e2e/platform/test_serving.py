@@ -185,3 +185,23 @@ def test_a_deadline_ends_the_request_and_frees_its_blocks(target: str) -> None:
     assert run(main()) == grpc.StatusCode.DEADLINE_EXCEEDED
     stats = run(wait_idle(target, timeout_s=10))
     assert stats.used_blocks == 0 and stats.running_requests == 0
+
+
+def test_tenants_and_salts_isolate_cached_prefixes(target: str) -> None:
+    prompt = shared_prefix(80, "the plateau")  # five full blocks
+
+    async def cached(**isolation: str) -> int:
+        async with EngineClient(target) as engine:
+            request = build_request(token_ids=prompt, max_tokens=1, temperature=0.0, **isolation)
+            return (await engine.complete(request, timeout_s=120)).usage.cached_tokens
+
+    async def main() -> list[int]:
+        return [
+            await cached(tenant="acme"),
+            await cached(tenant="globex"),  # same prompt, another tenant: no hit
+            await cached(tenant="acme"),
+            await cached(cache_salt="an explicit salt"),
+            await cached(),  # no salt at all is its own domain too
+        ]
+
+    assert run(main()) == [0, 0, 64, 0, 0]  # 80 tokens: the 5th block is the last, recomputed

@@ -52,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--metrics-port", type=int, help="serve the scheduler's Prometheus metrics on this port")
     parser.add_argument("--log-dir", type=Path, help="where the services write their logs")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for all services")
     parser.add_argument("--grace", type=float, default=15.0, help="seconds in-flight requests get on shutdown")
@@ -66,6 +67,8 @@ def platform_config(args: argparse.Namespace, model_dir: Path) -> PlatformConfig
     ]  # fmt: skip
     if args.no_prefix_caching:
         scheduler_args.append("--no-prefix-caching")
+    if args.metrics_port is not None:
+        scheduler_args += ["--metrics-port", str(args.metrics_port)]
     return PlatformConfig(
         model_dir=model_dir,
         log_dir=args.log_dir or default_log_dir(),

@@ -34,6 +34,7 @@ from prefixcache.services.scheduler.engine_core import (
     RequestOutput,
     RequestRejected,
 )
+from prefixcache.services.scheduler.kv_cache import CacheAccount, EvictionEvent
 from prefixcache.services.scheduler.stop_strings import StopStringMatcher
 from prefixcache.services.scheduler.tenancy import TenantSalts
 from prefixcache.services.scheduler.tokenizer_client import StreamingDetokenizer, TokenizerClient
@@ -89,6 +90,7 @@ class EngineServicer(pb_grpc.EngineServicer):
         request_id = request.request_id or uuid.uuid4().hex
         with _tracer.start_as_current_span("generate", attributes=self._request_attributes(request_id, request)) as span:
             try:
+                self._check_options(request)
                 prompt_ids = await self._prompt_ids(request)
                 engine_request = self._engine_request(request_id, request, prompt_ids)
                 outputs = self._engine.add_request(engine_request)
@@ -124,7 +126,8 @@ class EngineServicer(pb_grpc.EngineServicer):
                 await stream.close()
                 stream.annotate(span)
 
-    async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+    def _check_options(self, request: pb.GenerateRequest) -> None:
+        """What EngineCore cannot check: fields the public API adds."""
         if request.lora_adapter and request.lora_adapter not in self._options.lora_adapters:
             available = ", ".join(self._options.lora_adapters) or "none"
             raise InvalidRequest("lora_adapter", f"unknown adapter {request.lora_adapter!r} (available: {available})")
@@ -135,6 +138,8 @@ class EngineServicer(pb_grpc.EngineServicer):
                 raise InvalidRequest(f"sampling.stop[{index}]", "must not be empty")
         if request.HasField("cache_salt") and not request.cache_salt:
             raise InvalidRequest("cache_salt", "must not be empty when set")
+
+    async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
         if kind == "token_ids":
             return list(request.token_ids.ids)
@@ -260,8 +265,8 @@ class _Stream:
         self._stops = StopStringMatcher(stops)
         self.finished = False
         self.last: RequestOutput | None = None
-        self.account = None
-        self.evictions: list = []
+        self.account: CacheAccount | None = None
+        self.evictions: list[EvictionEvent] = []
 
     async def responses(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[pb.GenerateResponse]:
         async for output in outputs:
@@ -318,7 +323,7 @@ class _Stream:
             span.add_event("prefix_cache.eviction", {"prefix_cache.block_hash": event.block_hash.hex()})
 
 
-def account_to_proto(account) -> pb.CacheAccount:
+def account_to_proto(account: CacheAccount) -> pb.CacheAccount:
     return pb.CacheAccount(
         queried_tokens=account.queried_tokens,
         hit_tokens=account.hit_tokens,
