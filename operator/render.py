@@ -82,7 +82,7 @@ class Owner:
 def render(owner: Owner, spec: PrefixCacheSpec) -> list[dict[str, Any]]:
     """All objects of the stack, in apply order (config before the pods that read it)."""
     env_config = _config_map(owner, spec)
-    config_hash = hashlib.sha256(json.dumps(env_config["data"], sort_keys=True).encode()).hexdigest()
+    config_hash = hashlib.sha256(json.dumps(env_config["data"], sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     return [
         env_config,
         _service(owner, "tokenizer", owner.tokenizer_service, TOKENIZER_PORT),

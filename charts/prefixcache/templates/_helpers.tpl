@@ -1,0 +1,100 @@
+{{/* Names and labels match what the operator renders for a PrefixCacheDeployment named like the release. */}}
+{{- define "prefixcache.selectorLabels" -}}
+app.kubernetes.io/name: prefixcache
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "prefixcache.labels" -}}
+{{ include "prefixcache.selectorLabels" . }}
+app.kubernetes.io/part-of: prefixcache
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+helm.sh/chart: {{ .root.Chart.Name }}-{{ .root.Chart.Version }}
+{{- end }}
+
+{{- define "prefixcache.modelDir" -}}
+{{- if eq .Values.model.source "Embedded" -}}
+/opt/prefixcache/models/SmolLM2-135M-Instruct
+{{- else -}}
+{{ trimSuffix "/" (printf "/models/%s" (trimSuffix "/" .Values.model.path)) }}
+{{- end }}
+{{- end }}
+
+{{- define "prefixcache.configData" -}}
+PREFIXCACHE_MODEL_ID: {{ .Values.model.id | quote }}
+{{- if .Values.otel.endpoint }}
+OTEL_TRACES_EXPORTER: otlp
+OTEL_EXPORTER_OTLP_ENDPOINT: {{ .Values.otel.endpoint | quote }}
+OTEL_EXPORTER_OTLP_PROTOCOL: grpc
+{{- else }}
+OTEL_TRACES_EXPORTER: none
+OTEL_METRICS_EXPORTER: none
+OTEL_LOGS_EXPORTER: none
+{{- end }}
+{{- end }}
+
+{{/* Pod template annotation: a change of the shared environment rolls the pods. */}}
+{{- define "prefixcache.configHash" -}}
+{{ include "prefixcache.configData" . | fromYaml | toJson | sha256sum }}
+{{- end }}
+
+{{/* One service container. Arguments: root, name, args (list), port, startupSeconds, resources (dict). */}}
+{{- define "prefixcache.container" -}}
+- name: {{ .name }}
+  image: {{ .root.Values.image }}
+  imagePullPolicy: {{ .root.Values.imagePullPolicy }}
+  args: {{ toJson .args }}
+  ports:
+    - {name: grpc, containerPort: {{ .port }}, protocol: TCP}
+  envFrom:
+    - configMapRef: {name: {{ .root.Release.Name }}-env}
+  env:
+    - name: POD_NAME
+      valueFrom: {fieldRef: {fieldPath: metadata.name}}
+    - name: POD_NAMESPACE
+      valueFrom: {fieldRef: {fieldPath: metadata.namespace}}
+    - {name: OTEL_SERVICE_NAME, value: prefixcache-{{ .name }}}
+    - {name: OTEL_RESOURCE_ATTRIBUTES, value: "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE)"}
+    {{- with .extraEnv }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  startupProbe: {grpc: {port: {{ .port }}}, periodSeconds: 5, failureThreshold: {{ div .startupSeconds 5 }}}
+  readinessProbe: {grpc: {port: {{ .port }}}, periodSeconds: 5, failureThreshold: 2}
+  livenessProbe: {grpc: {port: {{ .port }}}, periodSeconds: 10, failureThreshold: 3, timeoutSeconds: 5}
+  securityContext: {allowPrivilegeEscalation: false, capabilities: {drop: [ALL]}}
+  volumeMounts:
+    - {name: tmp, mountPath: /tmp}
+    {{- with .extraMounts }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+  {{- with .resources }}
+  resources: {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end }}
+
+{{- define "prefixcache.podSecurity" -}}
+automountServiceAccountToken: false
+enableServiceLinks: false
+securityContext:
+  runAsNonRoot: true
+  runAsUser: 10001
+  runAsGroup: 10001
+  fsGroup: 10001
+  seccompProfile: {type: RuntimeDefault}
+{{- end }}
+
+{{/* requests/limits without empty maps, as the operator renders them. */}}
+{{- define "prefixcache.resources" -}}
+{{- $out := dict }}
+{{- with .requests }}{{ $_ := set $out "requests" . }}{{ end }}
+{{- with .limits }}{{ $_ := set $out "limits" . }}{{ end }}
+{{- toJson $out }}
+{{- end }}
+
+{{- define "prefixcache.modelMounts" -}}
+{{- if eq .Values.model.source "PersistentVolumeClaim" -}}
+[{"name": "model", "mountPath": "/models", "readOnly": true}]
+{{- else -}}
+[]
+{{- end }}
+{{- end }}

@@ -1,0 +1,114 @@
+"""The Helm chart, rendered offline by Helm's own Go SDK (helm-python-sdk): lint, schema, strict
+Kubernetes validation, and the same objects as the operator renders for the same settings."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from prefixcache.operator.render import Owner, render
+from prefixcache.operator.spec import parse_spec
+
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's Go SDK as a library) is not installed")
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "prefixcache"
+SPEC = {  # a PrefixCacheDeployment spec, and below the same settings as chart values
+    "replicas": 2, "blockSize": 64, "hashAlgorithm": "xxhash", "enablePrefixCaching": False, "maxNumSeqs": 32,
+    "kvCacheMemory": "3Gi", "image": "registry.example/prefixcache:1.2.3",
+    "model": {"source": "PersistentVolumeClaim", "claimName": "models", "path": "hf/smol"},
+    "tenantSalts": {"secretName": "tenant-salts"},
+    "worker": {"gpus": 1, "dtype": "float16", "resources": {"requests": {"memory": "8Gi"}}},
+    "tokenizer": {"replicas": 2, "resources": {"limits": {"cpu": "1"}}},
+    "otel": {"endpoint": "http://otel:4317"}, "terminationGracePeriodSeconds": 90,
+}
+
+
+def values_for(spec: dict[str, Any]) -> dict[str, Any]:
+    values = copy.deepcopy(spec)
+    values["kvCacheMemoryBytes"] = parse_spec(spec).kv_cache_memory_bytes
+    del values["kvCacheMemory"]
+    return values
+
+
+@pytest.fixture(scope="module")
+def chart() -> Any:
+    return helm.Chart.load(str(CHART))
+
+
+def rendered(chart: Any, values: dict[str, Any]) -> list[dict[str, Any]]:
+    manifests = chart.render(values, name="chat", namespace="serving")
+    return [doc for text in manifests.values() for doc in yaml.safe_load_all(text) if doc]
+
+
+def test_chart_lints_clean() -> None:
+    report = helm.lint(str(CHART), strict=True)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+def test_default_values_match_the_schema(chart: Any) -> None:
+    chart.validate_schema(yaml.safe_load((CHART / "values.yaml").read_text()))
+
+
+@pytest.mark.parametrize(("values", "field"), [
+    ({"blockSize": 24}, "blockSize"),
+    ({"hashAlgorithm": "md5"}, "hashAlgorithm"),
+    ({"model": {"source": "PersistentVolumeClaim", "claimName": ""}}, "claimName"),
+    ({"model": {"source": "PersistentVolumeClaim", "claimName": "m", "path": "../etc"}}, "path"),
+    ({"tenantSalts": {"secretName": "s", "acme": "inline-salt"}}, "acme"),
+    ({"kvCacheMemoryBytes": "2Gi"}, "kvCacheMemoryBytes"),
+])
+def test_schema_rejects_bad_values_by_name(chart: Any, values: dict[str, Any], field: str) -> None:
+    with pytest.raises(helm.HelmError) as error:
+        chart.validate_schema(chart.merge_values(values))
+    assert field in str(error.value)
+
+
+@pytest.mark.parametrize("values", [pytest.param({}, id="defaults"),
+                                    pytest.param({**values_for(SPEC), "operator": {"enabled": True}}, id="full")])
+@pytest.mark.parametrize("version", ["1.33", "1.37"])
+def test_every_rendered_object_validates_strictly(chart: Any, values: dict[str, Any], version: str) -> None:
+    objects = rendered(chart, values)
+    assert len(objects) >= 5
+    for obj in objects:
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def without_management(obj: dict[str, Any]) -> dict[str, Any]:
+    """Drop what differs by design: who manages it (Helm labels vs the operator's ownerReference)."""
+    obj = copy.deepcopy(obj)
+    for metadata in (obj["metadata"], obj.get("spec", {}).get("template", {}).get("metadata", {})):
+        metadata.pop("ownerReferences", None)
+        for label in ("app.kubernetes.io/managed-by", "helm.sh/chart"):
+            metadata.get("labels", {}).pop(label, None)
+    return obj
+
+
+@pytest.mark.parametrize("spec", [pytest.param({}, id="defaults"), pytest.param(SPEC, id="every-field")])
+def test_chart_and_operator_render_the_same_stack(chart: Any, spec: dict[str, Any]) -> None:
+    from_chart = {(o["kind"], o["metadata"]["name"]): without_management(o) for o in rendered(chart, values_for(
+        {**{"kvCacheMemory": "2Gi"}, **spec}))}
+    from_operator = {(o["kind"], o["metadata"]["name"]): without_management(o)
+                     for o in render(Owner("chat", "serving", "uid"), parse_spec(spec))}
+    assert from_chart.keys() == from_operator.keys()
+    for key, expected in from_operator.items():
+        assert from_chart[key] == expected, key
+
+
+def test_operator_is_opt_in_and_reads_no_secrets(chart: Any) -> None:
+    assert not [o for o in rendered(chart, {}) if o["metadata"]["name"] == "chat-operator"]
+    objects = {o["kind"]: o for o in rendered(chart, {"operator": {"enabled": True}, "stack": {"enabled": False}})}
+    assert set(objects) == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment"}
+    resources = {r for rule in objects["ClusterRole"]["rules"] for r in rule["resources"]}
+    assert "secrets" not in resources and "prefixcachedeployments/status" in resources
+    args = objects["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[:4] == ["run", "--standalone", "-m", "prefixcache.operator.handlers"]
+
+
+def test_chart_crd_is_the_operator_crd() -> None:
+    assert (CHART / "crds" / "prefixcachedeployments.yaml").read_bytes() == (REPO / "operator" / "crd.yaml").read_bytes()
