@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from kubernetes import client, config
 
-from conftest import EmulatedCluster, running_operator
+from kube_emulator import EmulatedCluster, running_operator
 from prefixcache.operator.schema import GROUP, KIND, PLURAL, VERSION
 
 NAMESPACE = "default"
