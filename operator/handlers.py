@@ -23,7 +23,7 @@ from prefixcache.operator.conditions import (RECONCILED, READY, Condition, condi
                                              merge_condition, readiness)
 from prefixcache.operator.render import MANAGED_BY, Owner, render
 from prefixcache.operator.schema import GROUP, KIND, PLURAL, VERSION, SpecError
-from prefixcache.operator.spec import parse_spec
+from prefixcache.operator.spec import check_name, parse_spec
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
@@ -52,6 +52,7 @@ def reconcile(body: kopf.Body, spec: kopf.Spec, status: kopf.Status, meta: kopf.
         patch.status["conditions"] = conditions
 
     try:
+        check_name(meta["name"])
         parsed = parse_spec(spec)
     except SpecError as error:
         report(Condition(RECONCILED, False, "InvalidSpec", str(error)))

@@ -82,7 +82,9 @@ class Owner:
 def render(owner: Owner, spec: PrefixCacheSpec) -> list[dict[str, Any]]:
     """All objects of the stack, in apply order (config before the pods that read it)."""
     env_config = _config_map(owner, spec)
-    config_hash = hashlib.sha256(json.dumps(env_config["data"], sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    # Compact, key-sorted JSON: the same bytes as the chart's `toJson | sha256sum`, so both roll alike.
+    canonical = json.dumps(env_config["data"], sort_keys=True, separators=(",", ":"))
+    config_hash = hashlib.sha256(canonical.encode()).hexdigest()
     return [
         env_config,
         _service(owner, "tokenizer", owner.tokenizer_service, TOKENIZER_PORT),
@@ -252,8 +254,8 @@ def _worker_resources(spec: PrefixCacheSpec) -> Resources:
 
 
 def _engine_deployment(owner: Owner, spec: PrefixCacheSpec, config_hash: str) -> dict[str, Any]:
-    scheduler = _container(owner, "scheduler", spec, _scheduler_args(owner, spec), ENGINE_PORT, startup_seconds=300,
-                           resources=spec.scheduler_resources)
+    scheduler = _container(owner, "scheduler", spec, _scheduler_args(owner, spec), ENGINE_PORT,
+                           startup_seconds=300, resources=spec.scheduler_resources)
     volumes, mounts = _model_volumes(spec)
     # The worker loads weights and may compile kernels before it reports SERVING: allow ten minutes.
     worker = _container(owner, "worker", spec, _worker_args(spec), WORKER_PORT, startup_seconds=600,

@@ -19,6 +19,8 @@ from prefixcache.operator.schema import SpecError, defaulted_spec
 EMBEDDED = "Embedded"
 PERSISTENT_VOLUME_CLAIM = "PersistentVolumeClaim"
 _PARENT_SEGMENT = re.compile(r"(^|/)[.][.](/|$)")
+_DNS_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+MAX_NAME_LENGTH = 53  # a Service name is at most 63 characters, and "-tokenizer" takes 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +116,13 @@ def parse_spec(raw_spec: Mapping[str, Any] | None) -> PrefixCacheSpec:
         tenant_salts_secret=(spec.get("tenantSalts") or {}).get("secretName"),
         otel_endpoint=(spec.get("otel") or {}).get("endpoint"),
     )
+
+
+def check_name(name: str) -> None:
+    """The CRD's CEL rule on metadata.name: every child's name and label value must stay valid."""
+    if len(name) > MAX_NAME_LENGTH or not _DNS_1035_LABEL.fullmatch(name):
+        raise SpecError([f"metadata.name: metadata.name must be a DNS-1035 label of at most {MAX_NAME_LENGTH} "
+                         "characters (it names Services such as <name>-tokenizer)"])
 
 
 def _model_problems(model: Mapping[str, Any]) -> list[str]:

@@ -157,3 +157,12 @@ def test_tenant_salts_never_leave_their_secret(operator: Any, api: client.ApiCli
         assert salt not in everything
         assert salt not in caplog.text
     assert "delta" in caplog.text  # the capture did see the operator at work
+
+
+def test_name_too_long_for_its_children_is_refused(operator: Any, api: client.ApiClient) -> None:
+    name = "n" * 54  # "<name>-tokenizer" would exceed the 63 characters of a Service name
+    create(api, name, {}, uid="uid-long")
+    reconciled = wait_for(lambda: condition(api, name, "Reconciled"), "Reconciled")
+    assert (reconciled["status"], reconciled["reason"]) == ("False", "InvalidSpec")
+    assert reconciled["message"].startswith("metadata.name: ")
+    assert deployment(api, f"{name}-engine") is None

@@ -9,7 +9,7 @@ import kubernetes_validate
 import pytest
 
 from prefixcache.operator.schema import apply_defaults, load_crd, spec_schema
-from prefixcache.operator.spec import SpecError, parse_spec
+from prefixcache.operator.spec import SpecError, check_name, parse_spec
 
 KUBE_VERSIONS = ("1.33", "1.37")
 
@@ -113,7 +113,9 @@ def test_every_problem_is_reported_at_once() -> None:
 
 def test_python_rules_mirror_every_cel_rule_of_the_crd() -> None:
     """The API server enforces x-kubernetes-validations; the operator enforces the same messages itself."""
-    cel_messages = {rule["message"] for _, node in walk(spec_schema())
+    (version,) = load_crd()["spec"]["versions"]
+    root = version["schema"]["openAPIV3Schema"]
+    cel_messages = {rule["message"] for _, node in [("", root), *walk(spec_schema())]
                     for rule in node.get("x-kubernetes-validations", [])}
     violations = [
         {"model": {"source": "PersistentVolumeClaim"}},
@@ -125,7 +127,21 @@ def test_python_rules_mirror_every_cel_rule_of_the_crd() -> None:
         with pytest.raises(SpecError) as error:
             parse_spec(raw)
         reported |= {re.sub(r"^[\w.]+: ", "", p) for p in error.value.problems}
+    with pytest.raises(SpecError) as error:
+        check_name("Chat")
+    reported |= {re.sub(r"^[\w.]+: ", "", p) for p in error.value.problems}
     assert cel_messages == reported
+
+
+@pytest.mark.parametrize("name", ["chat", "a", "llm-2", "x" * 53])
+def test_names_that_fit_every_child_are_accepted(name: str) -> None:
+    check_name(name)
+
+
+@pytest.mark.parametrize("name", ["Chat", "2chat", "chat.v1", "chat-", "x" * 54, ""])
+def test_names_that_break_a_child_name_are_refused(name: str) -> None:
+    with pytest.raises(SpecError, match="metadata.name: .*DNS-1035 label of at most 53"):
+        check_name(name)
 
 
 @pytest.mark.parametrize("path", ["", "smollm2", "hf/SmolLM2-135M", "a..b/c", "models/v1.2"])
