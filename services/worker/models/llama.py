@@ -17,9 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixcache.services.worker.model_config import ModelConfig
-from prefixcache.services.worker.models.rotary import RotaryEmbedding
+from prefixcache.services.worker.models.rotary import RotaryEmbedding, rotate
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), each [num_blocks, block_size, Hkv, D]
+Rotation = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) of this step's positions, each [T, 1, D]
 
 
 class RMSNorm(nn.Module):
@@ -35,7 +36,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -45,16 +46,17 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.output_bias)
-        self.rotary = rotary
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, metadata: Any,
+    def forward(self, x: torch.Tensor, rotation: Rotation, kv_cache: KVCache, metadata: Any,
                 backend: Any) -> torch.Tensor:
         num_tokens = x.shape[0]
-        query, key, value = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        query = query.view(num_tokens, self.num_heads, self.head_dim)
-        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
-        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
-        query, key = self.rotary(positions, query, key)
+        qkv = self.qkv_proj(x)
+        # Queries and keys sit side by side in the fused output: rotate them in one go.
+        query_key = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
+                                                               self.head_dim)
+        query_key = rotate(query_key, rotation)
+        query, key = query_key.split([self.num_heads, self.num_kv_heads], dim=1)
+        value = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         backend.write_kv(key, value, key_cache, value_cache, metadata)
         attended = backend.attend(query, key, value, key_cache, value_cache, metadata, self.scale)
@@ -74,16 +76,16 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, rotary)
+        self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, metadata: Any,
+    def forward(self, x: torch.Tensor, rotation: Rotation, kv_cache: KVCache, metadata: Any,
                 backend: Any) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, metadata, backend)
+        x = x + self.self_attn(self.input_layernorm(x), rotation, kv_cache, metadata, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -101,9 +103,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_model_len)
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, config.max_model_len)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
@@ -111,8 +113,9 @@ class LlamaForCausalLM(nn.Module):
                 backend: Any) -> torch.Tensor:
         """input_ids, positions [T] → final hidden states [T, hidden], after writing the KV of all T tokens."""
         x = self.embed_tokens(input_ids)
+        rotation = self.rotary.for_positions(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, kv_cache, metadata, backend)
+            x = layer(x, rotation, kv_cache, metadata, backend)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict[str, float]) -> to
 
 
 class RotaryEmbedding:
-    """Rotates query and key heads by their absolute positions (the "rotate half" layout).
+    """Cos/sin of each absolute position, for rotating heads in the "rotate half" layout.
 
     Holds no parameters: the tables are built on first use on the device and in the dtype of the
     queries, so constructing a model on the meta device and loading weights later needs no special care.
@@ -49,14 +49,10 @@ class RotaryEmbedding:
         self.max_positions = max_positions
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def __call__(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; query [T, Hq, D] and key [T, Hkv, D] → the same shapes, rotated."""
-        cos_table, sin_table = self._tables_for(query.device, query.dtype)
-        cos = cos_table[positions].unsqueeze(1)  # [T, 1, D]
-        sin = sin_table[positions].unsqueeze(1)
-        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+    def for_positions(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [T, 1, head_dim], for the tokens at `positions` [T]; computed once per step."""
+        cos_table, sin_table = self._tables_for(positions.device, dtype)
+        return cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
 
     def _tables_for(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         key = (device, dtype)
@@ -66,6 +62,12 @@ class RotaryEmbedding:
             angles = torch.cat((angles, angles), dim=-1)  # [max_positions, head_dim]
             self._tables[key] = (angles.cos().to(device, dtype), angles.sin().to(device, dtype))
         return self._tables[key]
+
+
+def rotate(heads: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate heads [T, H, D] by (cos, sin) from `RotaryEmbedding.for_positions`."""
+    cos, sin = rotation
+    return heads * cos + _rotate_half(heads) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
