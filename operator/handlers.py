@@ -1,6 +1,6 @@
 """kopf handlers for PrefixCacheDeployment. Run with:
 
-    kopf run -m prefixcache.operator.handlers --all-namespaces   # or --namespace NS
+    kopf run --standalone -m prefixcache.operator.handlers --all-namespaces   # or --namespace NS
 
 Handlers stay thin: validate (`spec.py`), render (`render.py`), write (`kube.py`), report conditions.
 Deletion needs no handler and no finalizer: every child carries an ownerReference, so the cluster's garbage
@@ -25,6 +25,7 @@ from prefixcache.operator.render import MANAGED_BY, Owner, render
 from prefixcache.operator.schema import GROUP, KIND, PLURAL, VERSION, SpecError
 from prefixcache.operator.spec import check_name, parse_spec
 
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     # Keep kopf's bookkeeping in our own annotations: the CRD's status schema is strict and would prune it.
@@ -44,6 +45,7 @@ def reconcile(body: kopf.Body, spec: kopf.Spec, status: kopf.Status, meta: kopf.
               memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     """Bring the children in line with the spec; a spec that can never work is a permanent error."""
     generation = meta.get("generation")
+    patch.status["observedGeneration"] = generation  # observed, whether or not it can be applied
     conditions = list(status.get("conditions") or [])
 
     def report(condition: Condition) -> None:
@@ -71,7 +73,6 @@ def reconcile(body: kopf.Body, spec: kopf.Spec, status: kopf.Status, meta: kopf.
     engine_available, ready = _readiness(memo.api, owner, parsed.replicas)
     report(ready)
     patch.status["availableReplicas"] = engine_available
-    patch.status["observedGeneration"] = generation
     patch.status["replicas"] = parsed.replicas
     patch.status["engineEndpoint"] = owner.engine_endpoint
     logger.info("reconciled: %d engine replicas, block size %d, %s", parsed.replicas, parsed.block_size,
