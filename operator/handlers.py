@@ -6,8 +6,8 @@ Handlers stay thin: validate (`spec.py`), render (`render.py`), write (`kube.py`
 Deletion needs no handler and no finalizer: every child carries an ownerReference, so the cluster's garbage
 collector removes the stack, and deleting never waits for the operator to be up.
 
-The operator reads no Secret. Tenant salts reach the scheduler as a Secret volume the kubelet mounts, so
-they cannot appear in the operator's logs, events or the resource's status.
+The operator reads no Secret. The tenant salt key reaches the scheduler through a secretKeyRef the kubelet
+resolves, so it cannot appear in the operator's logs, events or the resource's status.
 """
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 
     Service <name>            :50051 Engine API  ─┐
     Deployment <name>-engine  (replicas)          │ one pod per replica:
-        scheduler :50051 ── 127.0.0.1:50053 ──► worker (GPU, KV cache)
+        scheduler :50051 ── 127.0.0.1:50052 ──► worker (GPU, KV cache)
              │
-    Service <name>-tokenizer  :50052 ◄── Deployment <name>-tokenizer
+    Service <name>-tokenizer  :50053 ◄── Deployment <name>-tokenizer
     ConfigMap <name>-env      environment shared by every container (tracing)
 
 A scheduler owns the KV cache of exactly one worker (its block table is that worker's memory), so the two
@@ -24,13 +24,13 @@ from prefixcache.operator.schema import GROUP, KIND, VERSION
 from prefixcache.operator.spec import EMBEDDED, PrefixCacheSpec, Resources
 
 ENGINE_PORT = 50051
-TOKENIZER_PORT = 50052
-WORKER_PORT = 50053
+TOKENIZER_PORT = 50053  # the services' own default ports
+WORKER_PORT = 50052
 # The image bakes the embedded model here (`prefixcache model pull` with PREFIXCACHE_HOME=/opt/prefixcache).
 EMBEDDED_MODEL_DIR = "/opt/prefixcache/models/SmolLM2-135M-Instruct"
 MODEL_MOUNT = "/models"
-SALTS_MOUNT = "/etc/prefixcache/tenant-salts"
-SALTS_DIR_ENV = "PREFIXCACHE_TENANT_SALTS_DIR"
+# The scheduler derives each tenant's salt as HMAC-SHA256(key, tenant); every replica needs the same key.
+TENANT_SALT_KEY_ENV = "PREFIXCACHE_TENANT_SALT_KEY"
 RUN_AS_USER = 10001  # the image's unprivileged user
 CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
 MANAGED_BY = "prefixcache-operator"
@@ -110,7 +110,7 @@ def _metadata(owner: Owner, name: str, component: str) -> dict[str, Any]:
 
 
 def _config_map(owner: Owner, spec: PrefixCacheSpec) -> dict[str, Any]:
-    """Environment every container shares. Never a secret: tenant salts only ever travel as a Secret volume."""
+    """Environment every container shares. Never a secret: the tenant salt key is a secretKeyRef."""
     data = {"PREFIXCACHE_MODEL_ID": spec.model.id}
     if spec.otel_endpoint:
         data |= {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": spec.otel_endpoint,
@@ -238,6 +238,8 @@ def _scheduler_args(owner: Owner, spec: PrefixCacheSpec) -> list[str]:
 def _worker_args(spec: PrefixCacheSpec) -> list[str]:
     args = ["worker", "--port", str(WORKER_PORT), "--model-dir", _model_dir(spec),
             "--kv-cache-memory", str(spec.kv_cache_memory_bytes)]
+    if spec.worker.gpus > 0:
+        args += ["--device", "cuda"]
     if spec.worker.dtype != "auto":
         args += ["--dtype", spec.worker.dtype]
     if spec.worker.attention_backend != "auto":
@@ -261,11 +263,9 @@ def _engine_deployment(owner: Owner, spec: PrefixCacheSpec, config_hash: str) ->
     worker = _container(owner, "worker", spec, _worker_args(spec), WORKER_PORT, startup_seconds=600,
                         resources=_worker_resources(spec))
     worker["volumeMounts"] += mounts
-    if spec.tenant_salts_secret:
-        volumes = [*volumes, {"name": "tenant-salts",
-                              "secret": {"secretName": spec.tenant_salts_secret, "defaultMode": 0o440}}]
-        scheduler["volumeMounts"].append({"name": "tenant-salts", "mountPath": SALTS_MOUNT, "readOnly": True})
-        scheduler["env"].append({"name": SALTS_DIR_ENV, "value": SALTS_MOUNT})
+    if spec.tenant_salts is not None:
+        scheduler["env"].append({"name": TENANT_SALT_KEY_ENV, "valueFrom": {"secretKeyRef": {
+            "name": spec.tenant_salts.secret_name, "key": spec.tenant_salts.key}}})
     pod = _pod_spec([scheduler, worker], volumes, spec.termination_grace_period_seconds)
     # GPUs are scarce: replace pods one at a time instead of surging onto GPUs that may not exist
     # (LeaderWorkerSet and Dynamo's Grove path default to the same).

@@ -38,6 +38,14 @@ class Resources:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantSaltsRef:
+    """Where the key for tenant salts lives; the operator never reads the Secret's data."""
+
+    secret_name: str
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerSpec:
     gpus: int
     gpu_resource: str
@@ -67,7 +75,7 @@ class PrefixCacheSpec:
     scheduler_resources: Resources
     tokenizer: TokenizerSpec
     termination_grace_period_seconds: int
-    tenant_salts_secret: str | None = None  # the Secret's name; the operator never reads its data
+    tenant_salts: TenantSaltsRef | None = None
     otel_endpoint: str | None = None
 
 
@@ -113,7 +121,8 @@ def parse_spec(raw_spec: Mapping[str, Any] | None) -> PrefixCacheSpec:
         tokenizer=TokenizerSpec(replicas=spec["tokenizer"]["replicas"],
                                 resources=_resources(spec["tokenizer"]["resources"])),
         termination_grace_period_seconds=spec["terminationGracePeriodSeconds"],
-        tenant_salts_secret=(spec.get("tenantSalts") or {}).get("secretName"),
+        tenant_salts=TenantSaltsRef(spec["tenantSalts"]["secretName"], spec["tenantSalts"]["key"])
+        if "tenantSalts" in spec else None,
         otel_endpoint=(spec.get("otel") or {}).get("endpoint"),
     )
 

@@ -21,8 +21,8 @@ SPEC = {  # a PrefixCacheDeployment spec, and below the same settings as chart v
     "replicas": 2, "blockSize": 64, "hashAlgorithm": "xxhash", "enablePrefixCaching": False, "maxNumSeqs": 32,
     "kvCacheMemory": "3Gi", "image": "registry.example/prefixcache:1.2.3",
     "model": {"source": "PersistentVolumeClaim", "claimName": "models", "path": "hf/smol"},
-    "tenantSalts": {"secretName": "tenant-salts"},
-    "worker": {"gpus": 1, "dtype": "float16", "resources": {"requests": {"memory": "8Gi"}}},
+    "tenantSalts": {"secretName": "tenant-salts", "key": "hmac"},
+    "worker": {"gpus": 1, "dtype": "bfloat16", "resources": {"requests": {"memory": "8Gi"}}},
     "tokenizer": {"replicas": 2, "resources": {"limits": {"cpu": "1"}}},
     "otel": {"endpoint": "http://otel:4317"}, "terminationGracePeriodSeconds": 90,
 }

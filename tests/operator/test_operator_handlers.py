@@ -140,10 +140,11 @@ def test_tenant_salts_never_leave_their_secret(operator: Any, api: client.ApiCli
     secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "tenant-salts", "namespace": NAMESPACE},
               "stringData": dict(zip(("acme", "globex"), SALT_VALUES))}
     client.CoreV1Api(api).create_namespaced_secret(NAMESPACE, secret)
-    create(api, "delta", {"tenantSalts": {"secretName": "tenant-salts"}}, uid="uid-delta")
+    create(api, "delta", {"tenantSalts": {"secretName": "tenant-salts", "key": "acme"}}, uid="uid-delta")
     engine = wait_for(lambda: deployment(api, "delta-engine"), "the engine Deployment")
-    assert {"name": "tenant-salts", "secret": {"secretName": "tenant-salts", "defaultMode": 0o440}} in \
-        engine["spec"]["template"]["spec"]["volumes"]
+    (scheduler,) = [c for c in engine["spec"]["template"]["spec"]["containers"] if c["name"] == "scheduler"]
+    assert {"name": "PREFIXCACHE_TENANT_SALT_KEY",
+            "valueFrom": {"secretKeyRef": {"name": "tenant-salts", "key": "acme"}}} in scheduler["env"]
     wait_for(lambda: condition(api, "delta", "Reconciled"), "Reconciled")
 
     core, apps = client.CoreV1Api(api), client.AppsV1Api(api)

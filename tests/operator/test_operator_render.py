@@ -19,7 +19,7 @@ FULL_SPEC = {
     "kvCacheMemory": "6Gi", "image": "registry.example/prefixcache:1.2.3", "imagePullPolicy": "Always",
     "model": {"source": "PersistentVolumeClaim", "claimName": "models", "path": "hf/SmolLM2-135M-Instruct/",
               "id": "HuggingFaceTB/SmolLM2-135M-Instruct"},
-    "tenantSalts": {"secretName": "tenant-salts"},
+    "tenantSalts": {"secretName": "tenant-salts", "key": "hmac"},
     "worker": {"gpus": 2, "dtype": "bfloat16", "attentionBackend": "triton",
                "resources": {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "32Gi"}}},
     "scheduler": {"resources": {"requests": {"cpu": "500m"}}},
@@ -69,7 +69,7 @@ def test_the_stack_and_its_ownership(rendered: list[dict[str, Any]]) -> None:
 
 def test_services_select_their_pods(rendered: list[dict[str, Any]]) -> None:
     objects = by_name(rendered)
-    for service, deployment, port in (("chat", "chat-engine", 50051), ("chat-tokenizer", "chat-tokenizer", 50052)):
+    for service, deployment, port in (("chat", "chat-engine", 50051), ("chat-tokenizer", "chat-tokenizer", 50053)):
         spec = objects["Service", service]["spec"]
         pod_labels = objects["Deployment", deployment]["spec"]["template"]["metadata"]["labels"]
         assert spec["selector"].items() <= pod_labels.items()
@@ -82,14 +82,15 @@ def test_spec_becomes_exact_command_lines() -> None:
     objects = by_name(render(OWNER, parse_spec(FULL_SPEC)))
     engine = containers(objects["Deployment", "chat-engine"])
     assert engine["scheduler"]["args"] == [
-        "scheduler", "--port", "50051", "--tokenizer", "chat-tokenizer.serving.svc:50052",
-        "--worker", "127.0.0.1:50053", "--block-size", "32", "--hash-algo", "xxhash", "--max-num-seqs", "64",
+        "scheduler", "--port", "50051", "--tokenizer", "chat-tokenizer.serving.svc:50053",
+        "--worker", "127.0.0.1:50052", "--block-size", "32", "--hash-algo", "xxhash", "--max-num-seqs", "64",
         "--no-prefix-caching"]
     assert engine["worker"]["args"] == [
-        "worker", "--port", "50053", "--model-dir", "/models/hf/SmolLM2-135M-Instruct",
-        "--kv-cache-memory", str(6 * 2**30), "--dtype", "bfloat16", "--attention-backend", "triton"]
+        "worker", "--port", "50052", "--model-dir", "/models/hf/SmolLM2-135M-Instruct",
+        "--kv-cache-memory", str(6 * 2**30), "--device", "cuda", "--dtype", "bfloat16",
+        "--attention-backend", "triton"]
     tokenizer = containers(objects["Deployment", "chat-tokenizer"])["tokenizer"]
-    assert tokenizer["args"] == ["tokenizer", "--port", "50052", "--model-dir", "/models/hf/SmolLM2-135M-Instruct"]
+    assert tokenizer["args"] == ["tokenizer", "--port", "50053", "--model-dir", "/models/hf/SmolLM2-135M-Instruct"]
     assert objects["Deployment", "chat-engine"]["spec"]["replicas"] == 3
     assert objects["Deployment", "chat-tokenizer"]["spec"]["replicas"] == 2
     assert {c["image"] for c in [*engine.values(), tokenizer]} == {"registry.example/prefixcache:1.2.3"}
@@ -98,12 +99,13 @@ def test_spec_becomes_exact_command_lines() -> None:
 def test_defaults_use_the_embedded_model_and_leave_worker_choices_to_the_worker() -> None:
     objects = by_name(render(OWNER, parse_spec({})))
     engine = containers(objects["Deployment", "chat-engine"])
-    assert engine["worker"]["args"] == ["worker", "--port", "50053", "--model-dir",
+    assert engine["worker"]["args"] == ["worker", "--port", "50052", "--model-dir",
                                         "/opt/prefixcache/models/SmolLM2-135M-Instruct",
-                                        "--kv-cache-memory", str(2 * 2**30)]
+                                        "--kv-cache-memory", str(2 * 2**30), "--device", "cuda"]
     assert "--no-prefix-caching" not in engine["scheduler"]["args"]
     pod = objects["Deployment", "chat-engine"]["spec"]["template"]["spec"]
-    assert [v["name"] for v in pod["volumes"]] == ["tmp"]  # no model volume, no salts volume
+    assert [v["name"] for v in pod["volumes"]] == ["tmp"]  # no model volume
+    assert "PREFIXCACHE_TENANT_SALT_KEY" not in {e["name"] for e in engine["scheduler"]["env"]}
 
 
 def test_worker_gets_gpus_and_resources() -> None:
@@ -112,7 +114,7 @@ def test_worker_gets_gpus_and_resources() -> None:
                                              "limits": {"memory": "32Gi", "nvidia.com/gpu": "2"}}
     assert engine["scheduler"]["resources"] == {"requests": {"cpu": "500m"}}
     cpu_only = containers(by_name(render(OWNER, parse_spec({"worker": {"gpus": 0}})))["Deployment", "chat-engine"])
-    assert "resources" not in cpu_only["worker"]
+    assert "resources" not in cpu_only["worker"] and "--device" not in cpu_only["worker"]["args"]
 
 
 def test_model_claim_is_mounted_read_only_where_needed() -> None:
@@ -169,19 +171,15 @@ def test_config_change_rolls_the_pods_and_nothing_else_does() -> None:
     assert hashes({}) != hashes({"otel": {"endpoint": "http://otel:4317"}})
 
 
-def test_tenant_salts_travel_only_as_a_secret_volume_of_the_scheduler() -> None:
+def test_tenant_salt_key_reaches_only_the_scheduler_and_only_by_reference() -> None:
     objects = by_name(render(OWNER, parse_spec(FULL_SPEC)))
-    pod = objects["Deployment", "chat-engine"]["spec"]["template"]["spec"]
-    assert {"name": "tenant-salts", "secret": {"secretName": "tenant-salts", "defaultMode": 0o440}} in pod["volumes"]
     engine = containers(objects["Deployment", "chat-engine"])
-    salt_mounts = [(name, m) for name, c in engine.items() for m in c["volumeMounts"] if m["name"] == "tenant-salts"]
-    assert salt_mounts == [("scheduler", {"name": "tenant-salts", "mountPath": "/etc/prefixcache/tenant-salts",
-                                          "readOnly": True})]
     env = {e["name"]: e for e in engine["scheduler"]["env"]}
-    assert env["PREFIXCACHE_TENANT_SALTS_DIR"] == {"name": "PREFIXCACHE_TENANT_SALTS_DIR",
-                                                   "value": "/etc/prefixcache/tenant-salts"}
-    for obj in objects.values():  # no env var is ever sourced from a Secret, no ConfigMap mentions one
-        assert "secretKeyRef" not in json.dumps(obj) and "secretRef" not in json.dumps(obj)
+    assert env["PREFIXCACHE_TENANT_SALT_KEY"] == {
+        "name": "PREFIXCACHE_TENANT_SALT_KEY", "valueFrom": {"secretKeyRef": {"name": "tenant-salts", "key": "hmac"}}}
+    references = [(o["metadata"]["name"], json.dumps(o).count("secretKeyRef")) for o in objects.values()]
+    assert [r for r in references if r[1]] == [("chat-engine", 1)]  # once, in the scheduler
+    assert "PREFIXCACHE_TENANT_SALT_KEY" not in {e["name"] for e in engine["worker"]["env"]}
     assert "tenant-salts" not in yaml.safe_dump(objects["ConfigMap", "chat-env"])
 
 

@@ -64,7 +64,8 @@ def test_defaults_fill_gaps_but_keep_given_values() -> None:
                        "tenantSalts": {"secretName": "tenant-salts"}, "otel": {"endpoint": "http://otel:4317"}})
     assert spec.block_size == 32 and spec.worker.gpus == 2 and spec.worker.gpu_resource == "nvidia.com/gpu"
     assert spec.kv_cache_memory_bytes == 8 * 2**30
-    assert spec.tenant_salts_secret == "tenant-salts" and spec.otel_endpoint == "http://otel:4317"
+    assert (spec.tenant_salts.secret_name, spec.tenant_salts.key) == ("tenant-salts", "key")
+    assert spec.otel_endpoint == "http://otel:4317"
 
 
 @pytest.mark.parametrize(("raw", "field"), [
