@@ -8,8 +8,9 @@ from pathlib import Path
 from prefixcache.services.cli.launcher import LocalPlatform, PlatformConfig, free_port
 from prefixcache.services.common.engine_client import EngineClient
 
-# Small enough to share the machine, large enough for 16 streams and two 1,000-token prompts.
-KV_CACHE_MEMORY = "160MiB"
+# 113 blocks of 16 tokens: room for 16 streams or two 1,000-token prompts sharing a prefix, and small
+# enough that the eviction test fills it with two more.
+KV_CACHE_MEMORY = "80MiB"
 # 16 running and 16 waiting at most: room for 16 concurrent arrivals, few enough for the queue-full test.
 SCHEDULER_ARGS = ["--max-num-seqs", "16", "--max-waiting", "16", "--grace", "10"]
 # Every service prints its spans to its log (read by test_tracing), exported within 0.1 s.

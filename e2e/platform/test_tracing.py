@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from platform_harness import run
+from platform_prompts import shared_prefix
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
@@ -86,3 +87,34 @@ def test_trace_context_crosses_all_services(platform: LocalPlatform, target: str
         text = log.read_text(errors="replace")
         assert SECRET_PROMPT not in text and "Zanzibar" not in text
         assert SECRET_SALT not in text
+
+
+def test_evictions_are_span_events_naming_block_hashes(platform: LocalPlatform, target: str) -> None:
+    prompt_blocks = 63
+
+    async def main() -> tuple[int, int]:
+        async with EngineClient(target) as engine:
+            before = await engine.cache_stats()
+            # Distinct prompts until their blocks outnumber the pool: the last ones must evict.
+            for n in range(before.num_blocks // prompt_blocks + 1):
+                prompt = shared_prefix(prompt_blocks * 16, f"district {n}")
+                await engine.complete(build_request(token_ids=prompt, max_tokens=1, temperature=0.0), timeout_s=300)
+            after = await engine.cache_stats()
+            return before.evictions, after.evictions
+
+    before, after = run(main())
+    assert after > before
+    deadline = time.monotonic() + 10
+    while True:
+        events = [
+            event
+            for span in spans_in(platform.scheduler.log_path)
+            if span["name"] == "generate"
+            for event in span["events"]
+            if event["name"] == "prefix_cache.eviction"
+        ]
+        if len(events) >= after - before or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert len(events) >= after - before
+    assert all(len(bytes.fromhex(e["attributes"]["prefix_cache.block_hash"])) == 32 for e in events)  # sha256
