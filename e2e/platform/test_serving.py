@@ -205,3 +205,29 @@ def test_tenants_and_salts_isolate_cached_prefixes(target: str) -> None:
         ]
 
     assert run(main()) == [0, 0, 64, 0, 0]  # 80 tokens: the 5th block is the last, recomputed
+
+
+def test_describe_and_reset_prefix_cache(target: str) -> None:
+    prompt = shared_prefix(48, "the meadow")
+
+    async def main() -> None:
+        async with EngineClient(target) as engine:
+            description = await engine.describe()
+            assert description.model_id.startswith("SmolLM2-135M-Instruct@") and description.vocab_size == 49152
+            assert (description.block_size, description.hash_algo, description.max_model_len) == (16, "sha256", 8192)
+            assert description.prefix_caching_enabled and description.num_kv_blocks > 0
+
+            request = build_request(token_ids=prompt, max_tokens=1, temperature=0.0)
+            await engine.complete(request, timeout_s=120)
+            assert (await engine.complete(request, timeout_s=120)).usage.cached_tokens == 32
+
+            busy = engine.generate(build_request(text="Go on and on.", max_tokens=300, ignore_eos=True), timeout_s=120)
+            await busy.read()  # running: it holds blocks, so a reset is refused
+            assert not await engine.reset_prefix_cache()
+            busy.cancel()
+            await wait_idle(target)
+            assert await engine.reset_prefix_cache()
+            assert (await engine.cache_stats()).cached_blocks == 0
+            assert (await engine.complete(request, timeout_s=120)).usage.cached_tokens == 0
+
+    run(main())
