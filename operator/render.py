@@ -2,13 +2,16 @@
 
     Service <name>            :50051 Engine API  ─┐
     Deployment <name>-engine  (replicas)          │ one pod per replica:
-        scheduler :50051 ── 127.0.0.1:50052 ──► worker (GPU, KV cache)
+        scheduler :50051 ── 127.0.0.1:50052 ──► worker (GPU, KV cache; a native sidecar)
              │
     Service <name>-tokenizer  :50053 ◄── Deployment <name>-tokenizer
     ConfigMap <name>-env      environment shared by every container (tracing)
 
 A scheduler owns the KV cache of exactly one worker (its block table is that worker's memory), so the two
 share a pod and talk over loopback; scaling adds whole scheduler+worker pairs, each with its own cache.
+The worker is a native sidecar (an init container with restartPolicy Always, Kubernetes >= 1.29): it is
+SERVING before the scheduler starts, and it gets SIGTERM only after the scheduler has drained, so in-flight
+requests finish on a live worker.
 The tokenizer is stateless and shared. No function here talks to a cluster; every object carries an
 ownerReference to the PrefixCacheDeployment so deleting it garbage-collects the stack.
 """
@@ -26,6 +29,8 @@ from prefixcache.operator.spec import EMBEDDED, PrefixCacheSpec, Resources
 ENGINE_PORT = 50051
 TOKENIZER_PORT = 50053  # the services' own default ports
 WORKER_PORT = 50052
+METRICS_PORT = 9090  # the scheduler's Prometheus endpoint (prefix-cache counters)
+WORKER_GRACE_SECONDS = 10  # a running step's time to finish once the worker gets SIGTERM
 # The image bakes the embedded model here (`prefixcache model pull` with PREFIXCACHE_HOME=/opt/prefixcache).
 EMBEDDED_MODEL_DIR = "/opt/prefixcache/models/SmolLM2-135M-Instruct"
 MODEL_MOUNT = "/models"
@@ -229,14 +234,20 @@ def _scheduler_args(owner: Owner, spec: PrefixCacheSpec) -> list[str]:
             "--tokenizer", f"{owner.tokenizer_service}.{owner.namespace}.svc:{TOKENIZER_PORT}",
             "--worker", f"127.0.0.1:{WORKER_PORT}",
             "--block-size", str(spec.block_size), "--hash-algo", spec.hash_algorithm,
-            "--max-num-seqs", str(spec.max_num_seqs)]
+            "--max-num-seqs", str(spec.max_num_seqs), "--metrics-port", str(METRICS_PORT),
+            "--grace", str(scheduler_grace_seconds(spec))]
     if not spec.enable_prefix_caching:
         args.append("--no-prefix-caching")
     return args
 
 
+def scheduler_grace_seconds(spec: PrefixCacheSpec) -> int:
+    """The scheduler's share of the pod's termination grace: the rest lets the worker stop cleanly."""
+    return spec.termination_grace_period_seconds - WORKER_GRACE_SECONDS - 5
+
+
 def _worker_args(spec: PrefixCacheSpec) -> list[str]:
-    args = ["worker", "--port", str(WORKER_PORT), "--model-dir", _model_dir(spec),
+    args = ["worker", "--port", str(WORKER_PORT), "--grace", str(WORKER_GRACE_SECONDS), "--model-dir", _model_dir(spec),
             "--kv-cache-memory", str(spec.kv_cache_memory_bytes)]
     if spec.worker.gpus > 0:
         args += ["--device", "cuda"]
@@ -266,8 +277,14 @@ def _engine_deployment(owner: Owner, spec: PrefixCacheSpec, config_hash: str) ->
     if spec.tenant_salts is not None:
         scheduler["env"].append({"name": TENANT_SALT_KEY_ENV, "valueFrom": {"secretKeyRef": {
             "name": spec.tenant_salts.secret_name, "key": spec.tenant_salts.key}}})
-    pod = _pod_spec([scheduler, worker], volumes, spec.termination_grace_period_seconds)
+    worker["restartPolicy"] = "Always"  # a native sidecar: up before the scheduler, down after it
+    scheduler["ports"].append({"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"})
+    pod = _pod_spec([scheduler], volumes, spec.termination_grace_period_seconds)
+    pod["initContainers"] = [worker]
     # GPUs are scarce: replace pods one at a time instead of surging onto GPUs that may not exist
     # (LeaderWorkerSet and Dynamo's Grove path default to the same).
     strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
-    return _deployment(owner, owner.engine_deployment, "engine", spec.replicas, pod, config_hash, strategy)
+    deployment = _deployment(owner, owner.engine_deployment, "engine", spec.replicas, pod, config_hash, strategy)
+    deployment["spec"]["template"]["metadata"]["annotations"] |= {
+        "prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT), "prometheus.io/path": "/metrics"}
+    return deployment

@@ -34,7 +34,9 @@ def by_name(objects: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, An
 
 
 def containers(deployment: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {c["name"]: c for c in deployment["spec"]["template"]["spec"]["containers"]}
+    """Every container of the pod, native sidecars (restartable init containers) included."""
+    pod = deployment["spec"]["template"]["spec"]
+    return {c["name"]: c for c in [*pod.get("initContainers", []), *pod["containers"]]}
 
 
 @pytest.fixture(params=[pytest.param({}, id="defaults"), pytest.param(FULL_SPEC, id="every-field")])
@@ -84,9 +86,9 @@ def test_spec_becomes_exact_command_lines() -> None:
     assert engine["scheduler"]["args"] == [
         "scheduler", "--port", "50051", "--tokenizer", "chat-tokenizer.serving.svc:50053",
         "--worker", "127.0.0.1:50052", "--block-size", "32", "--hash-algo", "xxhash", "--max-num-seqs", "64",
-        "--no-prefix-caching"]
+        "--metrics-port", "9090", "--grace", "105", "--no-prefix-caching"]
     assert engine["worker"]["args"] == [
-        "worker", "--port", "50052", "--model-dir", "/models/hf/SmolLM2-135M-Instruct",
+        "worker", "--port", "50052", "--grace", "10", "--model-dir", "/models/hf/SmolLM2-135M-Instruct",
         "--kv-cache-memory", str(6 * 2**30), "--device", "cuda", "--dtype", "bfloat16",
         "--attention-backend", "triton"]
     tokenizer = containers(objects["Deployment", "chat-tokenizer"])["tokenizer"]
@@ -99,7 +101,7 @@ def test_spec_becomes_exact_command_lines() -> None:
 def test_defaults_use_the_embedded_model_and_leave_worker_choices_to_the_worker() -> None:
     objects = by_name(render(OWNER, parse_spec({})))
     engine = containers(objects["Deployment", "chat-engine"])
-    assert engine["worker"]["args"] == ["worker", "--port", "50052", "--model-dir",
+    assert engine["worker"]["args"] == ["worker", "--port", "50052", "--grace", "10", "--model-dir",
                                         "/opt/prefixcache/models/SmolLM2-135M-Instruct",
                                         "--kv-cache-memory", str(2 * 2**30), "--device", "cuda"]
     assert "--no-prefix-caching" not in engine["scheduler"]["args"]
@@ -122,7 +124,7 @@ def test_model_claim_is_mounted_read_only_where_needed() -> None:
     for deployment, container in (("chat-engine", "worker"), ("chat-tokenizer", "tokenizer")):
         pod = objects["Deployment", deployment]["spec"]["template"]["spec"]
         assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod["volumes"]
-        mounts = {m["name"]: m for c in pod["containers"] if c["name"] == container for m in c["volumeMounts"]}
+        mounts = {m["name"]: m for m in containers(objects["Deployment", deployment])[container]["volumeMounts"]}
         assert mounts["model"] == {"name": "model", "mountPath": "/models", "readOnly": True}
     scheduler = containers(objects["Deployment", "chat-engine"])["scheduler"]
     assert "model" not in {m["name"] for m in scheduler["volumeMounts"]}
@@ -139,10 +141,20 @@ def test_every_container_is_probed_over_grpc_health(rendered: list[dict[str, Any
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # room to load the model
 
 
+def test_worker_is_a_native_sidecar_so_it_outlives_the_draining_scheduler() -> None:
+    pod = by_name(render(OWNER, parse_spec({})))["Deployment", "chat-engine"]["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["scheduler"]
+    assert [(c["name"], c["restartPolicy"]) for c in pod["initContainers"]] == [("worker", "Always")]
+
+
 def test_grace_period_and_gpu_safe_rollout() -> None:
     objects = by_name(render(OWNER, parse_spec(FULL_SPEC)))
     engine = objects["Deployment", "chat-engine"]["spec"]
     assert engine["template"]["spec"]["terminationGracePeriodSeconds"] == 120
+    scheduler = containers(objects["Deployment", "chat-engine"])["scheduler"]["args"]
+    worker = containers(objects["Deployment", "chat-engine"])["worker"]["args"]
+    drain, stop = int(scheduler[scheduler.index("--grace") + 1]), int(worker[worker.index("--grace") + 1])
+    assert drain + stop < 120  # both finish inside the pod's grace period, scheduler first
     assert engine["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
 
 
@@ -195,3 +207,12 @@ def test_pods_run_unprivileged_without_api_access(rendered: list[dict[str, Any]]
 def test_rendering_is_deterministic() -> None:
     spec = parse_spec(FULL_SPEC)
     assert json.dumps(render(OWNER, spec), sort_keys=True) == json.dumps(render(OWNER, spec), sort_keys=True)
+
+
+def test_scheduler_metrics_are_exposed_for_scraping() -> None:
+    engine = by_name(render(OWNER, parse_spec({})))["Deployment", "chat-engine"]
+    scheduler = containers(engine)["scheduler"]
+    assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in scheduler["ports"]
+    assert scheduler["args"][scheduler["args"].index("--metrics-port") + 1] == "9090"
+    annotations = engine["spec"]["template"]["metadata"]["annotations"]
+    assert (annotations["prometheus.io/scrape"], annotations["prometheus.io/port"]) == ("true", "9090")

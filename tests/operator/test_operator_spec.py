@@ -79,6 +79,8 @@ def test_defaults_fill_gaps_but_keep_given_values() -> None:
     pytest.param({"kvCacheMemory": "lots"}, "spec.kvCacheMemory: 'lots' does not match", id="kv-quantity"),
     pytest.param({"kvCacheMemory": "1.5"}, "spec.kvCacheMemory: '1.5' must be a positive whole number",
                  id="kv-fraction-of-a-byte"),
+    pytest.param({"terminationGracePeriodSeconds": 10}, "spec.terminationGracePeriodSeconds: 10 is less than",
+                 id="grace-too-short-for-drain-and-stop"),
     pytest.param({"worker": {"gpus": 17}}, "spec.worker.gpus: 17 is greater than the maximum", id="gpus"),
     pytest.param({"worker": {"dtype": "int4"}}, "spec.worker.dtype: must be one of", id="dtype"),
     pytest.param({"model": {"source": "Hub"}}, "spec.model.source: must be one of", id="model-source"),

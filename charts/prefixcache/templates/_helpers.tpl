@@ -38,14 +38,21 @@ OTEL_LOGS_EXPORTER: none
 {{ include "prefixcache.configData" . | fromYaml | toJson | sha256sum }}
 {{- end }}
 
-{{/* One service container. Arguments: root, name, args (list), port, startupSeconds, resources (dict). */}}
+{{/* One service container. Arguments: root, name, args (list), port, startupSeconds, resources (dict);
+     optional extraEnv, extraMounts, extraPorts (lists) and restartPolicy (a native sidecar). */}}
 {{- define "prefixcache.container" -}}
 - name: {{ .name }}
   image: {{ .root.Values.image }}
   imagePullPolicy: {{ .root.Values.imagePullPolicy }}
   args: {{ toJson .args }}
+  {{- with .restartPolicy }}
+  restartPolicy: {{ . }}
+  {{- end }}
   ports:
     - {name: grpc, containerPort: {{ .port }}, protocol: TCP}
+    {{- with .extraPorts }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
   envFrom:
     - configMapRef: {name: {{ .root.Release.Name }}-env}
   env:
