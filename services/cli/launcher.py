@@ -121,7 +121,7 @@ class LocalPlatform:
                 "scheduler", "--host", config.engine_host, "--port", str(config.engine_port),
                 "--tokenizer", self.tokenizer.address, "--worker", self.worker.address, *config.scheduler_args,
             ],  # fmt: skip
-            f"{'127.0.0.1' if config.engine_host == 'localhost' else config.engine_host}:{config.engine_port}",
+            f"{_client_host(config.engine_host)}:{config.engine_port}",
             config.log_dir / "scheduler.log",
             config.env,
         )
@@ -176,6 +176,11 @@ class LocalPlatform:
         """Start the worker again on the same port (after it died or was killed)."""
         self.worker.kill()
         self.worker.start()
+
+
+def _client_host(bind_host: str) -> str:
+    """Where a local client reaches a server bound to `bind_host`."""
+    return LOOPBACK if bind_host in ("localhost", "[::]", "0.0.0.0") else bind_host
 
 
 def default_log_dir() -> Path:
