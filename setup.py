@@ -44,6 +44,5 @@ packages, package_dir = packages_and_dirs()
 setup(
     packages=packages,
     package_dir=package_dir,
-    package_data={"prefixcache.protos": ["**/*.proto", "**/*.pyi"]},
     cmdclass={"build_py": BuildPyWithProtos},
 )
