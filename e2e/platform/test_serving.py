@@ -232,3 +232,19 @@ def test_describe_and_reset_prefix_cache(target: str) -> None:
             assert (await engine.complete(request, timeout_s=120)).usage.cached_tokens == 0
 
     run(main())
+
+
+def test_a_request_id_already_in_flight_is_refused(target: str) -> None:
+    async def main() -> grpc.aio.AioRpcError:
+        async with EngineClient(target) as engine:
+            busy = engine.generate(
+                build_request(text="Keep going.", max_tokens=300, ignore_eos=True, request_id="same-id"), timeout_s=120
+            )
+            await busy.read()
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await engine.complete(build_request(text="Hi", max_tokens=1, request_id="same-id"), timeout_s=60)
+            busy.cancel()
+            return error.value
+
+    error = run(main())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details().startswith("request_id:")

@@ -97,7 +97,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             except InvalidRequest as error:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
             except RequestRejected as error:
-                field = PUBLIC_FIELDS.get(error.field, request.WhichOneof("prompt") or error.field)
+                field = public_field(error.field, request)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {error.message}")
             except QueueFull as error:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
@@ -321,6 +321,13 @@ class _Stream:
             span.set_attribute("prefix_cache.miss_reason", self.account.stop_reason)
         for event in self.evictions:
             span.add_event("prefix_cache.eviction", {"prefix_cache.block_hash": event.block_hash.hex()})
+
+
+def public_field(engine_field: str, request: pb.GenerateRequest) -> str:
+    """The GenerateRequest field an EngineCore rejection is about."""
+    if engine_field == "prompt_token_ids":  # the prompt, in whichever form the client sent it
+        return request.WhichOneof("prompt") or "prompt"
+    return PUBLIC_FIELDS.get(engine_field, engine_field)
 
 
 def account_to_proto(account: CacheAccount) -> pb.CacheAccount:
