@@ -25,6 +25,7 @@ LOST_WORKER_CODES = frozenset(
         grpc.StatusCode.UNAVAILABLE,  # process gone or unreachable
         grpc.StatusCode.FAILED_PRECONDITION,  # a restarted worker that was never initialized
         grpc.StatusCode.DEADLINE_EXCEEDED,  # hung
+        grpc.StatusCode.INTERNAL,  # a step failed half-way: its request state cannot be trusted
         grpc.StatusCode.CANCELLED,
         grpc.StatusCode.UNKNOWN,
     }

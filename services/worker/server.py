@@ -103,6 +103,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 output = await asyncio.to_thread(runner.execute, step)
             except ValueError as error:  # a step that contradicts what the worker holds
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            except Exception as error:  # a bug: the request state may be half-updated, so say so
+                log.exception("step %d failed", step.step_id)
+                await context.abort(grpc.StatusCode.INTERNAL, f"step {step.step_id} failed: {error!r}")
         return output_to_proto(output)
 
 
