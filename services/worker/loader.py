@@ -64,7 +64,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
     files = weight_files(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    model = model.to_empty(device=device).to(torch_dtype).eval()
+    model = model.to(torch_dtype).to_empty(device=device).eval()  # cast while on meta: no memory twice
     expected = model.expected_checkpoint_names()
     loaded: set[str] = set()
     reporter = _Progress(sum(path.stat().st_size for path in files), progress)
