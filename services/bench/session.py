@@ -54,6 +54,7 @@ class BenchOutcome:
     results: dict[str, WorkloadResult]
     description: dict[str, object] = field(default_factory=dict)  # the `config` object of the JSON
     requests: dict[str, list[BenchRequest]] = field(default_factory=dict)  # what every mode sent
+    options: WorkloadOptions | None = None  # as resolved against the first engine
 
     @property
     def failed_requests(self) -> int:
@@ -109,46 +110,51 @@ def _to_stderr(note: str) -> None:
 
 async def run_session(config: BenchConfig, note: Callable[[str], None] = _to_stderr) -> BenchOutcome:
     """Run every workload in every mode; `note` hears about settings that defeat a workload's point."""
-    results = {name: WorkloadResult() for name in config.workloads}
-    outcome = BenchOutcome(results)
-    requests: dict[str, list[BenchRequest]] | None = None
+    outcome = BenchOutcome({name: WorkloadResult() for name in config.workloads})
     for mode in config.modes:
         async with _engine_target(config, mode) as (target, owned):
             async with EngineEndpoint(target, config.request_timeout_s) as endpoint:
                 facts = await endpoint.describe()
-                expected = mode == CACHE
-                if facts.prefix_caching_enabled != expected:
+                if facts.prefix_caching_enabled != (mode == CACHE):
                     raise ValueError(
-                        f"the {mode} run needs an engine with prefix caching {'on' if expected else 'off'}, "
+                        f"the {mode} run needs an engine with prefix caching {'on' if mode == CACHE else 'off'}, "
                         f"but {target} has it {'on' if facts.prefix_caching_enabled else 'off'}"
                     )
-                if requests is None:  # both modes send the very same requests
-                    options = resolve_options(config, facts)
-                    requests = {name: generate(name, options) for name in config.workloads}
-                    check_fits(requests, facts)
-                    if "thrash" in requests and options.num_requests <= options.thrash_prefixes:
-                        note(
-                            f"thrash visits each of its {options.thrash_prefixes} prefixes at most once in "
-                            f"{options.num_requests} requests, so nothing is evicted before reuse; raise "
-                            "--num-requests or lower the KV pool (--kv-cache-memory)"
-                        )
-                    outcome.requests = requests
-                    outcome.description = _describe(config, options, facts)
-                await _warm_up(endpoint, options, config.warmup_requests)
-                reset = owned if config.reset_between_workloads is None else config.reset_between_workloads
-                for name in config.workloads:
-                    if reset:
-                        await endpoint.reset_prefix_cache()
-                    bar = ProgressBar(f"{name} ({mode})", len(requests[name])) if config.show_progress else None
-                    run = await drive(
-                        endpoint, requests[name], config.concurrency, TenantSalts(options.tenants),
-                        on_done=bar.advance if bar else lambda record: None,
-                    )
-                    if bar:
-                        bar.close()
-                    results[name].summaries[mode] = summarize(run.records, run.evictions)
-                    results[name].records[mode] = run.records
+                if outcome.options is None:  # the first mode plans; every mode sends the very same requests
+                    _plan(config, facts, outcome, note)
+                await _run_mode(config, endpoint, mode, owned, outcome)
     return outcome
+
+
+def _plan(config: BenchConfig, facts: EngineFacts, outcome: BenchOutcome, note: Callable[[str], None]) -> None:
+    options = resolve_options(config, facts)
+    outcome.requests = {name: generate(name, options) for name in config.workloads}
+    check_fits(outcome.requests, facts)
+    if "thrash" in config.workloads and options.num_requests <= options.thrash_prefixes:
+        note(
+            f"thrash visits each of its {options.thrash_prefixes} prefixes at most once in "
+            f"{options.num_requests} requests, so nothing is evicted before reuse; raise "
+            "--num-requests or lower the KV pool (--kv-cache-memory)"
+        )
+    outcome.options = options
+    outcome.description = _describe(config, options, facts)
+
+
+async def _run_mode(config: BenchConfig, endpoint: EngineEndpoint, mode: str, owned: bool, outcome: BenchOutcome) -> None:
+    await _warm_up(endpoint, outcome.options, config.warmup_requests)
+    reset = owned if config.reset_between_workloads is None else config.reset_between_workloads
+    for name, requests in outcome.requests.items():
+        if reset:
+            await endpoint.reset_prefix_cache()
+        bar = ProgressBar(f"{name} ({mode})", len(requests)) if config.show_progress else None
+        run = await drive(
+            endpoint, requests, config.concurrency, TenantSalts(outcome.options.tenants),
+            on_done=bar.advance if bar else lambda record: None,
+        )
+        if bar:
+            bar.close()
+        outcome.results[name].summaries[mode] = summarize(run.records, run.evictions)
+        outcome.results[name].records[mode] = run.records
 
 
 def _describe(config: BenchConfig, options: WorkloadOptions, facts: EngineFacts) -> dict[str, object]:
