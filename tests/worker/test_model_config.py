@@ -1,0 +1,61 @@
+"""Reading config.json: the switches that tell Llama-family checkpoints apart, and what we refuse."""
+from __future__ import annotations
+
+import pytest
+
+from prefixcache.services.worker.model_config import ModelConfig
+
+BASE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 100, "max_position_embeddings": 32768, "eos_token_id": 2}
+
+
+def config(architecture: str, **changes: object) -> ModelConfig:
+    return ModelConfig.from_dict({**BASE, "architectures": [architecture], **changes})
+
+
+def test_mistral_sliding_window_caps_the_context() -> None:
+    assert config("MistralForCausalLM", sliding_window=4096).max_model_len == 4096
+    assert config("MistralForCausalLM", sliding_window=None).max_model_len == 32768
+
+
+def test_qwen2_has_qkv_bias_and_ignores_an_unused_window() -> None:
+    qwen = config("Qwen2ForCausalLM", sliding_window=4096, use_sliding_window=False)
+    assert (qwen.qkv_bias, qwen.output_bias, qwen.max_model_len) == (True, False, 32768)
+
+
+def test_llama_attention_bias_covers_the_output_projection() -> None:
+    llama = config("LlamaForCausalLM", attention_bias=True)
+    assert (llama.qkv_bias, llama.output_bias) == (True, True)
+
+
+def test_rope_from_old_and_new_style_configs() -> None:
+    old = config("LlamaForCausalLM", rope_theta=500000.0,
+                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    new = config("LlamaForCausalLM", rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                      "original_max_position_embeddings": 8192})
+    assert old.rope == new.rope and old.rope.theta == 500000.0 and old.rope.kind == "llama3"
+
+
+def test_derived_defaults() -> None:
+    llama = config("LlamaForCausalLM", num_key_value_heads=None, eos_token_id=[2, 7])
+    assert (llama.num_kv_heads, llama.head_dim, llama.eos_token_ids) == (4, 16, (2, 7))
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"architectures": ["MixtralForCausalLM"]}, "unsupported architecture"),
+        ({"hidden_size": 0}, "hidden_size must be a positive integer"),
+        ({"vocab_size": "many"}, "vocab_size"),
+        ({"num_key_value_heads": 3}, "not a multiple"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks low_freq_factor"),
+        ({"rope_scaling": {"rope_type": "linear"}}, "needs 'factor'"),
+    ],
+)
+def test_unservable_configs_say_what_is_wrong(changes: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict({**BASE, "architectures": ["LlamaForCausalLM"], **changes})
