@@ -1,6 +1,7 @@
 """The benchmark's view of an Engine endpoint: the only bench module that touches protobuf."""
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,6 +39,9 @@ class EngineEndpoint:
         self._request_timeout_s = request_timeout_s
         self._channel: aio.Channel = open_channel(target)
         self._stub = engine_pb2_grpc.EngineStub(self._channel)
+        # Workload request ids repeat from run to run; the server keys requests by id, so two benchmark
+        # runs against one engine must not send the same ones.
+        self._id_prefix = f"bench-{secrets.token_hex(4)}-"
 
     async def __aenter__(self) -> EngineEndpoint:
         return self
@@ -69,7 +73,7 @@ class EngineEndpoint:
         """Send `request` greedily with `ignore_eos` (so every run generates the same token counts)
         and record when each streamed message arrived; a failed call is recorded, not raised."""
         message = engine_pb2.GenerateRequest(
-            request_id=request.request_id,
+            request_id=self._id_prefix + request.request_id,
             token_ids=engine_pb2.TokenIds(ids=request.prompt_token_ids),
             sampling=engine_pb2.SamplingOptions(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True),
             cache_salt=salt,

@@ -33,12 +33,14 @@ class RecordingEngine(engine_pb2_grpc.EngineServicer):
         self.lock = threading.Lock()
 
     def Generate(self, request, context):
-        if request.request_id.endswith("-bad"):
+        assert request.request_id.startswith("bench-")  # a per-run prefix keeps concurrent runs apart
+        request_id = request.request_id.split("-", 2)[2]
+        if request_id.endswith("-bad"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token_ids: out of vocabulary")
         with self.lock:
             self.in_flight += 1
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
-            self.started.append(request.request_id)
+            self.started.append(request_id)
             self.salts.append(request.cache_salt)
         ids = list(request.token_ids.ids)
         keys = [(request.cache_salt, tuple(ids[: (i + 1) * BLOCK])) for i in range(len(ids) // BLOCK)]
@@ -54,7 +56,7 @@ class RecordingEngine(engine_pb2_grpc.EngineServicer):
             self.cached_blocks.update(keys)
             self.evictions += 1
             self.in_flight -= 1
-            self.finished.append(request.request_id)
+            self.finished.append(request_id)
         yield engine_pb2.GenerateResponse(
             request_id=request.request_id, token_ids=[6] * (n - n // 2), finish_reason=engine_pb2.FINISH_REASON_LENGTH,
             usage=engine_pb2.Usage(prompt_tokens=len(ids), cached_tokens=hit * BLOCK, completion_tokens=n),
