@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,21 +25,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Worker"].full_name
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_bytes(text: str) -> int:
-    """'512MiB', '2GB', '1073741824' → bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]i?b|b)?\s*", text.lower())
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GB, 1073741824)")
-    number, unit = match.groups()
-    value = int(float(number) * _UNITS[unit or ""])
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
-    return value
-
 
 def describe_to_proto(description: ModelDescription) -> pb.ModelDescription:
     return pb.ModelDescription(
@@ -60,9 +44,9 @@ def describe_to_proto(description: ModelDescription) -> pb.ModelDescription:
 class WorkerServicer(pb_grpc.WorkerServicer):
     """Adapts ModelRunner to gRPC. `runner` is None until the model has loaded."""
 
-    def __init__(self, kv_cache_memory: int):
+    def __init__(self, kv_cache_memory: int | None = None):
         self.runner: ModelRunner | None = None
-        self._kv_cache_memory = kv_cache_memory
+        self.kv_cache_memory = kv_cache_memory  # bytes; resolved once the model has loaded
         self._block_size: int | None = None
         self._lock = asyncio.Lock()  # one step (or re-initialization) at a time
 
@@ -83,7 +67,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "block_size: must be positive")
         async with self._lock:
             try:
-                num_blocks = runner.num_blocks_for_memory(self._kv_cache_memory, request.block_size)
+                num_blocks = runner.num_blocks_for_memory(self.kv_cache_memory, request.block_size)
             except ValueError as error:  # the budget holds not even one block
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"kv_cache_memory: {error}")
             await asyncio.to_thread(runner.initialize_kv_cache, num_blocks, request.block_size)
@@ -116,7 +100,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
-        "--kv-cache-memory", type=parse_bytes, default=parse_bytes("1GiB"), help="KV cache budget, e.g. 512MiB, 2GB"
+        "--kv-cache-memory",
+        default="1GiB",
+        help="KV cache budget: bytes (512MiB, 2GB) or, with a decimal point, a fraction of the device memory "
+        "free after the model has loaded (0.4)",
     )
     parser.add_argument("--attention-backend", default=None, help="attention kernels by name (default: per device)")
     parser.add_argument("--grace", type=float, default=10.0, help="seconds a running step gets on SIGTERM")
@@ -125,9 +112,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
-    servicer = WorkerServicer(args.kv_cache_memory)
+    servicer = WorkerServicer()
 
     async def load_model() -> None:
+        from prefixcache.services.worker.kv_memory import kv_cache_budget_bytes
         from prefixcache.services.worker.model_runner import ModelRunner
 
         model_dir = args.model_dir
@@ -135,10 +123,12 @@ def run(args: argparse.Namespace) -> int:
             from prefixcache.services.common.model_store import ensure_default_model
 
             model_dir = await asyncio.to_thread(ensure_default_model)
-        servicer.runner = await asyncio.to_thread(
+        runner = await asyncio.to_thread(
             ModelRunner, model_dir, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend
         )
-        log.info("model loaded: %s", servicer.runner.describe().model_id)
+        servicer.kv_cache_memory = kv_cache_budget_bytes(args.kv_cache_memory, args.device)
+        servicer.runner = runner  # last: requests wait for the runner, so the budget is set by then
+        log.info("model loaded: %s; KV cache budget %d bytes", runner.describe().model_id, servicer.kv_cache_memory)
 
     registration = Servicer(SERVICE_NAME, lambda server: pb_grpc.add_WorkerServicer_to_server(servicer, server))
     return asyncio.run(

@@ -12,7 +12,7 @@ from prefixcache.protos.worker.v1 import worker_pb2 as pb
 from prefixcache.protos.worker.v1 import worker_pb2_grpc as pb_grpc
 from prefixcache.services.common.step import CachedRequestData, NewRequestData, SchedulerStep
 from prefixcache.services.common.step_codec import output_from_proto, step_to_proto
-from prefixcache.services.worker.server import WorkerServicer, parse_bytes
+from prefixcache.services.worker.server import WorkerServicer
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ def runner(model_dir: Path):
     return ModelRunner(model_dir, dtype="float32")
 
 
-def serve(runner, body, kv_memory: int = parse_bytes("32MiB")) -> None:
+def serve(runner, body, kv_memory: int = 32 * 2**20) -> None:
     async def main() -> None:
         servicer = WorkerServicer(kv_memory)
         servicer.runner = runner
@@ -53,7 +53,7 @@ def test_greedy_generation_through_steps(runner) -> None:
         description = await stub.Describe(pb.DescribeRequest())
         assert description.vocab_size == 49152 and list(description.eos_token_ids) == [2]
         init = await stub.InitializeCache(pb.InitializeCacheRequest(block_size=BLOCK))
-        expected_blocks = parse_bytes("32MiB") // (description.bytes_per_block_token * BLOCK)
+        expected_blocks = 32 * 2**20 // (description.bytes_per_block_token * BLOCK)
         assert init.num_blocks == expected_blocks and init.model.model_id == description.model_id
 
         # The prompt in two prefill chunks (the first samples nothing), then decodes, growing the
@@ -101,8 +101,3 @@ def test_a_budget_too_small_for_one_block_is_refused(runner) -> None:
         assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
     serve(runner, body, kv_memory=1024)
-
-
-@pytest.mark.parametrize(("text", "expected"), [("512MiB", 512 * 2**20), ("2GB", 2 * 10**9), ("4096", 4096)])
-def test_parse_bytes(text: str, expected: int) -> None:
-    assert parse_bytes(text) == expected
