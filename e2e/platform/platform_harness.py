@@ -12,7 +12,8 @@ from prefixcache.services.common.engine_client import EngineClient
 # enough that the eviction test fills it with two more.
 KV_CACHE_MEMORY = "80MiB"
 # 16 running and 16 waiting at most: room for 16 concurrent arrivals, few enough for the queue-full test.
-SCHEDULER_ARGS = ["--max-num-seqs", "16", "--max-waiting", "16", "--grace", "10"]
+# A grace long enough for a loaded CI machine to finish the in-flight stream of test_shutdown.
+SCHEDULER_ARGS = ["--max-num-seqs", "16", "--max-waiting", "16", "--grace", "30"]
 # Every service prints its spans to its log (read by test_tracing), exported within 0.1 s.
 TRACING_ENV = {"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "100"}
 # grpc.aio binds its poller to the first event loop it sees: every test runs on this one.

@@ -31,7 +31,7 @@ def test_sigterm_lets_in_flight_requests_finish(platform: LocalPlatform, target:
     completion, refused = run(main())
     assert completion.finish_reason == "length" and len(completion.token_ids) == 24
     assert refused == grpc.StatusCode.UNAVAILABLE
-    assert platform.scheduler.wait(timeout_s=30) == 0
+    assert platform.scheduler.wait(timeout_s=90) == 0
 
     # Bring the scheduler back for the tests that follow (it re-initializes the worker's cache).
     platform.scheduler.start()
