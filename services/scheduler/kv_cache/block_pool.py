@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from functools import partial
 from itertools import repeat
 from typing import Literal, NamedTuple
 
@@ -18,10 +17,6 @@ class EvictionEvent(NamedTuple):
     evicting_request_id: str | None  # whose allocation took the block; None for a reset
     storing_request_id: str  # the request whose tokens filled the block
     reason: Literal["allocation", "reset"] = "allocation"
-
-
-# Builds an EvictionEvent from a tuple in C, without NamedTuple's Python-level __new__.
-_as_event = partial(tuple.__new__, EvictionEvent)
 
 
 class BlockPool:
@@ -99,8 +94,11 @@ class BlockPool:
         self.num_evictions += len(block_ids)
         events = self._events
         self.events_dropped += max(len(events) + len(block_ids) - events.maxlen, 0)
-        events.extend(map(_as_event, zip(hashes, block_ids, repeat(request_id),
-                                         map(self.stored_by.__getitem__, block_ids), repeat(reason))))
+        # tuple.__new__(EvictionEvent, fields) builds each event in C, skipping NamedTuple's
+        # Python-level __new__.
+        events.extend(map(tuple.__new__, repeat(EvictionEvent),
+                          zip(hashes, block_ids, repeat(request_id),
+                              map(self.stored_by.__getitem__, block_ids), repeat(reason))))
 
     def _drop_copy(self, block_hash: bytes, block_id: int) -> bool:
         """Unmap one block holding `block_hash`; True if no other block holds it any more."""

@@ -187,7 +187,7 @@ class KVCacheManager:
         num_tokens_after = request.num_computed_tokens + len(hits) * block_size + num_new_tokens
         num_needed = max(-(-num_tokens_after // block_size) - num_held - len(hits), 0)
         # Free hit blocks are counted as free but cannot be handed out: they are being reused.
-        num_free_hits = sum(1 for b in hits if pool.ref_counts[b] == 0)
+        num_free_hits = list(map(pool.ref_counts.__getitem__, hits)).count(0)
         if num_needed > pool.num_free_blocks - num_free_hits:
             return None
         if hits:
@@ -211,8 +211,9 @@ class KVCacheManager:
             raise ValueError("new_computed_blocks given but prefix caching is disabled")
         if len(hits) * self.block_size > len(request.token_ids) - 1:
             raise ValueError("new_computed_blocks cover the last token, which must be computed")
-        if [self._pool.block_hashes[b] if 0 <= b < self._pool.num_blocks else None for b in hits] \
-                != request.block_hashes[: len(hits)]:
+        pool = self._pool
+        if not 0 <= min(hits) <= max(hits) < pool.num_blocks \
+                or list(map(pool.block_hashes.__getitem__, hits)) != request.block_hashes[: len(hits)]:
             raise ValueError("new_computed_blocks are not this request's cached prefix (stale lookup?)")
 
     def _cache_full_blocks(self, request: KVRequest, blocks: list[int], num_full: int) -> None:
