@@ -45,8 +45,10 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...  # [num_tokens, num_q_heads, head_dim]
 
 
-class TorchAttentionBackend:
-    name = "torch"
+class _CheckedBackend:
+    """Validates shapes once for every backend, then hands over to the backend's own kernels."""
+
+    name: str
 
     def write_kv(
         self,
@@ -57,7 +59,7 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
     ) -> None:
         check_kv_shapes(key, value, key_cache, value_cache, meta)
-        write_kv_torch(key, value, key_cache, value_cache, meta.slot_mapping)
+        self._write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
 
     def attend(
         self,
@@ -70,6 +72,22 @@ class TorchAttentionBackend:
         scale: float,
     ) -> torch.Tensor:
         check_query_shape(query, key_cache, meta)
+        return self._attend(query, key, value, key_cache, value_cache, meta, scale)
+
+    def _write_kv(self, key, value, key_cache, value_cache, slot_mapping: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _attend(self, query, key, value, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchAttentionBackend(_CheckedBackend):
+    name = "torch"
+
+    def _write_kv(self, key, value, key_cache, value_cache, slot_mapping):
+        write_kv_torch(key, value, key_cache, value_cache, slot_mapping)
+
+    def _attend(self, query, key, value, key_cache, value_cache, meta, scale):
         block_size = key_cache.shape[1]
         plan = meta.backend_cache.get((self.name, block_size))
         if plan is None:
@@ -77,43 +95,19 @@ class TorchAttentionBackend:
         return attend_torch(query, key, value, key_cache, value_cache, plan, scale)
 
 
-class ReferenceAttentionBackend:
+class ReferenceAttentionBackend(_CheckedBackend):
     name = "reference"
 
-    def write_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> None:
-        check_kv_shapes(key, value, key_cache, value_cache, meta)
-        reshape_and_cache_reference(key, value, key_cache, value_cache, meta.slot_mapping)
+    def _write_kv(self, key, value, key_cache, value_cache, slot_mapping):
+        reshape_and_cache_reference(key, value, key_cache, value_cache, slot_mapping)
 
-    def attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        check_query_shape(query, key_cache, meta)
+    def _attend(self, query, key, value, key_cache, value_cache, meta, scale):
         return paged_attention_reference(
-            query,
-            key_cache,
-            value_cache,
-            meta.query_lens_list,
-            meta.seq_lens_list,
-            meta.block_tables.tolist(),
-            scale,
+            query, key_cache, value_cache, meta.query_lens_list, meta.seq_lens_list, meta.block_tables.tolist(), scale
         )
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(_CheckedBackend):
     name = "triton"
 
     def __init__(self) -> None:
@@ -124,37 +118,13 @@ class TritonAttentionBackend:
         self._paged_attention = paged_attention
         self._reshape_and_cache = reshape_and_cache
 
-    def write_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> None:
-        check_kv_shapes(key, value, key_cache, value_cache, meta)
-        self._reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+    def _write_kv(self, key, value, key_cache, value_cache, slot_mapping):
+        self._reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
-    def attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        check_query_shape(query, key_cache, meta)
+    def _attend(self, query, key, value, key_cache, value_cache, meta, scale):
         return self._paged_attention(
-            query,
-            key_cache,
-            value_cache,
-            meta.query_start_loc,
-            meta.seq_lens,
-            meta.block_tables,
-            meta.max_query_len,
-            scale,
+            query, key_cache, value_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            meta.max_query_len, scale,
         )
 
 
