@@ -1,6 +1,7 @@
 """SIGTERM on the scheduler: in-flight streams finish, new requests are refused, the process exits 0."""
 from __future__ import annotations
 
+import asyncio
 import signal
 
 import grpc
@@ -9,8 +10,17 @@ from platform_harness import run
 
 from prefixcache.services.cli.launcher import LocalPlatform
 from prefixcache.services.common.engine_client import Completion, EngineClient, build_request
+from prefixcache.services.common.grpc_client import is_serving, open_channel
 
 pytestmark = pytest.mark.slow
+
+
+async def wait_not_serving(address: str, timeout_s: float = 30.0) -> None:
+    """Until the health service stops reporting SERVING (the scheduler has begun its drain)."""
+    async with open_channel(address) as channel:
+        async with asyncio.timeout(timeout_s):
+            while await is_serving(channel):
+                await asyncio.sleep(0.02)
 
 
 def test_sigterm_lets_in_flight_requests_finish(platform: LocalPlatform, target: str) -> None:
@@ -23,16 +33,20 @@ def test_sigterm_lets_in_flight_requests_finish(platform: LocalPlatform, target:
                 completion.add(chunk)
                 if completion.num_chunks == 1:
                     platform.scheduler.process.send_signal(signal.SIGTERM)
+                    await wait_not_serving(target)
                     with pytest.raises(grpc.aio.AioRpcError) as error:
                         await engine.complete(build_request(text="Too late", max_tokens=2), timeout_s=30)
                     refused = error.value.code()
             return completion, refused
 
-    completion, refused = run(main())
-    assert completion.finish_reason == "length" and len(completion.token_ids) == 24
-    assert refused == grpc.StatusCode.UNAVAILABLE
-    assert platform.scheduler.wait(timeout_s=90) == 0
-
-    # Bring the scheduler back for the tests that follow (it re-initializes the worker's cache).
-    platform.scheduler.start()
-    run(platform.wait_serving(platform.scheduler, timeout_s=120))
+    try:
+        completion, refused = run(main())
+        assert completion.finish_reason == "length" and len(completion.token_ids) == 24
+        assert refused == grpc.StatusCode.UNAVAILABLE
+        assert platform.scheduler.wait(timeout_s=90) == 0
+    finally:
+        # Bring the scheduler back for the tests that follow (it re-initializes the worker's cache),
+        # whatever happened above.
+        platform.scheduler.kill()
+        platform.scheduler.start()
+        run(platform.wait_serving(platform.scheduler, timeout_s=120))

@@ -11,6 +11,7 @@ never the cache salt or tenant.
 """
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -80,13 +81,39 @@ class EngineServicer(pb_grpc.EngineServicer):
     ):
         self._request_spans = request_spans or SpanRegistry()
         self._engine = engine
+        self._num_generating = 0
+        self._no_generate_calls = asyncio.Event()
+        self._no_generate_calls.set()
         self._tokenizer = tokenizer
         self._tenants = tenants or TenantSalts()
         self._options = options
 
     # ---- Generate -------------------------------------------------------------------------------
 
+    async def wait_generate_calls_done(self, timeout_s: float) -> bool:
+        """Until every Generate call has sent its last response (True) or `timeout_s` passed.
+
+        The engine is idle once it has queued each request's final output, but the call still
+        needs the tokenizer to turn that output into text: close the clients only after this.
+        """
+        try:
+            await asyncio.wait_for(self._no_generate_calls.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
     async def Generate(self, request: pb.GenerateRequest, context: aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        self._num_generating += 1
+        self._no_generate_calls.clear()
+        try:
+            async for response in self._generate(request, context):
+                yield response
+        finally:
+            self._num_generating -= 1
+            if not self._num_generating:
+                self._no_generate_calls.set()
+
+    async def _generate(self, request: pb.GenerateRequest, context: aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         request_id = request.request_id or uuid.uuid4().hex
         with _tracer.start_as_current_span("generate", attributes=self._request_attributes(request_id, request)) as span:
             try:

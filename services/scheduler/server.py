@@ -21,6 +21,7 @@ from prefixcache.services.scheduler.worker_client import GrpcStepExecutor
 
 log = logging.getLogger(__name__)
 STARTUP_RETRY_S = 0.5
+ABORTED_STREAMS_CLOSE_S = 2.0  # how long streams aborted at the end of the grace get to send their last response
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,7 +84,12 @@ async def serve(args: argparse.Namespace) -> int:
             start_http_server(args.metrics_port, registry=engine.metrics.registry)
 
     async def stop_engine(grace_s: float) -> None:
+        deadline = asyncio.get_running_loop().time() + grace_s
         await engine.shutdown(grace_s)
+        # Streams aborted at the deadline still send their final response: give them a moment.
+        remaining = max(deadline - asyncio.get_running_loop().time(), ABORTED_STREAMS_CLOSE_S)
+        if not await servicer.wait_generate_calls_done(remaining):
+            log.warning("Generate calls still open after the grace period; closing anyway")
         await tokenizer.close()
         await executor.close()
 
