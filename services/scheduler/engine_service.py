@@ -35,7 +35,7 @@ from prefixcache.services.scheduler.engine_core import (
     RequestOutput,
     RequestRejected,
 )
-from prefixcache.services.scheduler.kv_cache import CacheAccount, EvictionEvent
+from prefixcache.services.scheduler.kv_cache import CacheAccount, EvictionBatch
 from prefixcache.services.scheduler.stop_strings import StopStringMatcher
 from prefixcache.services.scheduler.tenancy import TenantSalts
 from prefixcache.services.scheduler.tokenizer_client import StreamingDetokenizer, TokenizerClient
@@ -293,7 +293,7 @@ class _Stream:
         self.finished = False
         self.last: RequestOutput | None = None
         self.account: CacheAccount | None = None
-        self.evictions: list[EvictionEvent] = []
+        self.evictions: list[EvictionBatch] = []
 
     async def responses(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[pb.GenerateResponse]:
         async for output in outputs:
@@ -346,8 +346,9 @@ class _Stream:
             span.set_attribute("prefix_cache.blocks_queried", self.account.queried_blocks)
             span.set_attribute("prefix_cache.blocks_matched", self.account.hit_blocks)
             span.set_attribute("prefix_cache.miss_reason", self.account.stop_reason)
-        for event in self.evictions:
-            span.add_event("prefix_cache.eviction", {"prefix_cache.block_hash": event.block_hash.hex()})
+        for batch in self.evictions:
+            for block_hash in batch.block_hashes:
+                span.add_event("prefix_cache.eviction", {"prefix_cache.block_hash": block_hash.hex()})
 
 
 def public_field(engine_field: str, request: pb.GenerateRequest) -> str:

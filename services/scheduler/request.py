@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from prefixcache.services.common.block_identity import BlockExtras
 from prefixcache.services.common.step import SamplingParams, TokenLogprobs
-from prefixcache.services.scheduler.kv_cache import CacheAccount, EvictionEvent, KVRequest
+from prefixcache.services.scheduler.kv_cache import CacheAccount, EvictionBatch, KVRequest
 
 FINISH_STOP = "stop"  # EOS or a stop token (stop strings are matched by the servicer, which then aborts)
 FINISH_LENGTH = "length"  # max_tokens or the model's maximum length reached
@@ -48,7 +48,7 @@ class RequestOutput:
     cache_account: CacheAccount | None = None  # the first admission's lookup, on the first and last output
     logprobs: tuple[TokenLogprobs, ...] = ()  # one per new token when the sampling asked for logprobs
     # Cached blocks this request's allocations evicted since its previous output (for its span).
-    evictions: tuple[EvictionEvent, ...] = ()
+    evictions: tuple[EvictionBatch, ...] = ()
     num_preemptions: int = 0  # times the request was preempted (recomputed) so far
 
 
@@ -79,7 +79,7 @@ class Request:
     num_preemptions: int = 0
     known_to_worker: bool = False  # the worker holds its state (sent as new, not yet dropped)
     sent_first_output: bool = False
-    pending_evictions: list[EvictionEvent] = field(default_factory=list)
+    pending_evictions: list[EvictionBatch] = field(default_factory=list)
 
     @classmethod
     def from_engine_request(cls, request: EngineRequest) -> Request:
@@ -109,6 +109,6 @@ class Request:
         self.output_token_ids.append(token_id)
         self.kv.token_ids.append(token_id)
 
-    def take_evictions(self) -> tuple[EvictionEvent, ...]:
-        events, self.pending_evictions = tuple(self.pending_evictions), []
-        return events
+    def take_evictions(self) -> tuple[EvictionBatch, ...]:
+        batches, self.pending_evictions = tuple(self.pending_evictions), []
+        return batches

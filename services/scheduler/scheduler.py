@@ -180,13 +180,13 @@ class Scheduler:
 
     def _collect_evictions(self) -> None:
         """Count this step's evictions and hand each to the request whose allocation caused it."""
-        for event in self.kv_cache.drain_events():
-            if event.evicting_request_id is None:
+        for batch in self.kv_cache.drain_events():
+            if batch.evicting_request_id is None:
                 continue  # dropped by a cache reset, not by an allocation
-            self.counters.evictions += 1
-            evictor = self.requests.get(event.evicting_request_id)
+            self.counters.evictions += len(batch)
+            evictor = self.requests.get(batch.evicting_request_id)
             if evictor is not None:
-                evictor.pending_evictions.append(event)
+                evictor.pending_evictions.append(batch)
 
     def _mark_scheduled(self, request: Request, num_new: int, step: SchedulerStep) -> int:
         step.num_scheduled_tokens[request.request_id] = num_new

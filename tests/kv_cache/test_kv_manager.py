@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from prefixcache.services.common.block_identity import BlockExtras, BlockHasher, MultiModalItem
-from prefixcache.services.scheduler.kv_cache import KVCacheManager, KVRequest
+from prefixcache.services.scheduler.kv_cache import EvictionEvent, KVCacheManager, KVRequest
 
 MODEL = "test-model@1"
 
@@ -22,6 +22,11 @@ def admit(m: KVCacheManager, request: KVRequest, num_new: int | None = None):
     if new is not None:
         request.num_computed_tokens = hit_tokens + num_new
     return hits, new, account
+
+
+def drained_events(m: KVCacheManager) -> list[EvictionEvent]:
+    """The pending eviction events, one per block, flattened out of their batches."""
+    return [event for batch in m.drain_events() for event in batch]
 
 
 def test_prefill_then_free_orders_the_free_queue():
@@ -53,7 +58,7 @@ def test_eviction_is_lru_and_takes_a_requests_tail_first():
     assert m.free_block_ids() == [3, 4, 5, 2, 1, 0]
     _, new, _ = admit(m, KVRequest("c", list(range(500, 516))))
     assert new == [3, 4, 5, 2]
-    [event] = m.drain_events()
+    [event] = drained_events(m)
     assert (event.block_hash, event.block_id, event.evicting_request_id, event.storing_request_id,
             event.reason) == (a.block_hashes[2], 2, "c", "a", "allocation")
     assert m.drain_events() == []
@@ -205,7 +210,7 @@ def test_duplicate_blocks_with_one_hash_are_tolerated():
     # Allocating 5 blocks evicts block 0; block 2 still holds the hash and serves the next hit.
     assert admit(m, KVRequest("c", list(range(100, 120))))[1] == [3, 1, 4, 5, 0]
     # Block 0's KV is gone (an event per block), but the hash survives in block 2.
-    assert [(e.block_id, e.block_hash) for e in m.drain_events()] == [(0, a.block_hashes[0])]
+    assert [(e.block_id, e.block_hash) for e in drained_events(m)] == [(0, a.block_hashes[0])]
     assert m.pool.blocks_with_hash(a.block_hashes[0]) == [2]
     assert m.get_computed_blocks(KVRequest("d", list(range(5))))[0] == [2]
 
@@ -220,7 +225,7 @@ def test_reset_refuses_while_blocks_are_held_then_forgets_everything():
     order = m.free_block_ids()
     assert m.reset_prefix_cache() is True
     assert m.free_block_ids() == order and m.stats().cached_blocks == 0
-    events = m.drain_events()
+    events = drained_events(m)
     assert [(e.block_id, e.evicting_request_id, e.storing_request_id, e.reason) for e in events] == [
         (0, None, "a", "reset"), (1, None, "a", "reset")]
     hits, account = m.get_computed_blocks(KVRequest("b", list(range(8))))
@@ -303,7 +308,8 @@ def test_pending_events_are_bounded_and_drops_are_counted():
     admit(m, KVRequest("a", list(range(16))))
     m.free("a")
     admit(m, KVRequest("b", list(range(100, 116))))
-    assert len(m.drain_events()) == 2
+    # One allocation evicted four blocks (a's tail first); only the newest two events are kept.
+    assert [(e.block_id, e.storing_request_id) for e in drained_events(m)] == [(1, "a"), (0, "a")]
     assert m.stats().evictions == 4 and m.stats().events_dropped == 2
 
 

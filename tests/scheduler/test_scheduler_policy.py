@@ -147,11 +147,12 @@ def test_preemption_frees_the_newest_request_which_then_hits_the_cache_again():
     assert step.num_scheduled_tokens == {"a": 1}
     assert [(r.request_id, r.new_block_ids) for r in step.cached_requests] == [("a", [3])]
     assert [r.request_id for r in scheduler.waiting] == ["b"] and step.new_requests == []
-    [event] = scheduler.requests["a"].pending_evictions
-    assert (event.evicting_request_id, event.storing_request_id) == ("a", "b")
+    [batch] = scheduler.requests["a"].pending_evictions
+    [event] = batch
+    assert (event.block_id, event.evicting_request_id, event.storing_request_id) == (3, "a", "b")
     assert scheduler.counters.preemptions == 1 and scheduler.counters.evictions == 1
     outputs = answer(scheduler, step)
-    assert outputs[0].evictions == (event,)
+    assert outputs[0].evictions == (batch,)
 
     # b (8 prompt tokens + 1 generated) needs 3 blocks; only its first block is still cached and
     # a holds the others, so b waits until a finishes.

@@ -3,7 +3,7 @@
 Pure Python with no torch, triton or grpc imports (enforced by import-linter), so the scheduler
 image stays small and this logic is testable anywhere.
 """
-from prefixcache.services.scheduler.kv_cache.block_pool import BlockPool, EvictionEvent
+from prefixcache.services.scheduler.kv_cache.block_pool import BlockPool, EvictionBatch, EvictionEvent
 from prefixcache.services.scheduler.kv_cache.free_queue import FreeBlockQueue
 from prefixcache.services.scheduler.kv_cache.manager import (
     CacheAccount,
@@ -13,5 +13,5 @@ from prefixcache.services.scheduler.kv_cache.manager import (
     StopReason,
 )
 
-__all__ = ["BlockPool", "CacheAccount", "CacheStats", "EvictionEvent", "FreeBlockQueue", "KVCacheManager",
-           "KVRequest", "StopReason"]
+__all__ = ["BlockPool", "CacheAccount", "CacheStats", "EvictionBatch", "EvictionEvent", "FreeBlockQueue",
+           "KVCacheManager", "KVRequest", "StopReason"]

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
-from itertools import repeat
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 from prefixcache.services.scheduler.kv_cache.free_queue import FreeBlockQueue
@@ -17,6 +17,36 @@ class EvictionEvent(NamedTuple):
     evicting_request_id: str | None  # whose allocation took the block; None for a reset
     storing_request_id: str  # the request whose tokens filled the block
     reason: Literal["allocation", "reset"] = "allocation"
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionBatch:
+    """The blocks one allocation (or a reset) evicted, in eviction order.
+
+    Kept as parallel lists and turned into `EvictionEvent`s only when iterated: an allocation at a
+    0% hit rate can evict thousands of blocks, and most batches are only counted (an event object
+    per block cost about a fifth of a 32k-token request's cache work).
+    """
+
+    evicting_request_id: str | None  # whose allocation took the blocks; None for a reset
+    reason: Literal["allocation", "reset"]
+    block_ids: list[int]
+    block_hashes: list[bytes]
+    storing_request_ids: list[str]  # per block, the request whose tokens filled it
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+    def __iter__(self) -> Iterator[EvictionEvent]:
+        for block_hash, block_id, storing_request_id in zip(self.block_hashes, self.block_ids,
+                                                            self.storing_request_ids):
+            yield EvictionEvent(block_hash, block_id, self.evicting_request_id, storing_request_id, self.reason)
+
+    def last(self, count: int) -> EvictionBatch:
+        """The batch's last `count` evictions."""
+        start = len(self.block_ids) - count
+        return EvictionBatch(self.evicting_request_id, self.reason, self.block_ids[start:],
+                             self.block_hashes[start:], self.storing_request_ids[start:])
 
 
 class BlockPool:
@@ -45,7 +75,9 @@ class BlockPool:
         self._evicted_current: set[bytes] = set()
         self._evicted_previous: set[bytes] = set()
         self._evicted_history = max(evicted_history, 1)
-        self._events: deque[EvictionEvent] = deque(maxlen=max_pending_events)
+        self._pending_batches: deque[EvictionBatch] = deque()
+        self._num_pending_events = 0
+        self._max_pending_events = max_pending_events
         self.events_dropped = 0
         self.num_evictions = 0
 
@@ -78,8 +110,8 @@ class BlockPool:
             self._evict(evicted, request_id, "allocation")
         return block_ids
 
-    def _evict(self, block_ids: list[int], request_id: str | None, reason: str) -> None:
-        """Clear the hashes of `block_ids`, recording an event per block, in order."""
+    def _evict(self, block_ids: list[int], request_id: str | None, reason: Literal["allocation", "reset"]) -> None:
+        """Clear the hashes of `block_ids`, recording them as one pending batch, in order."""
         block_hashes, cached = self.block_hashes, self.cached
         hashes = list(map(block_hashes.__getitem__, block_ids))
         for block_id in block_ids:
@@ -92,13 +124,22 @@ class BlockPool:
         self._remember_evictions(lost)
         self.num_cached_blocks -= len(block_ids)
         self.num_evictions += len(block_ids)
-        events = self._events
-        self.events_dropped += max(len(events) + len(block_ids) - events.maxlen, 0)
-        # tuple.__new__(EvictionEvent, fields) builds each event in C, skipping NamedTuple's
-        # Python-level __new__.
-        events.extend(map(tuple.__new__, repeat(EvictionEvent),
-                          zip(hashes, block_ids, repeat(request_id),
-                              map(self.stored_by.__getitem__, block_ids), repeat(reason))))
+        self._add_pending(EvictionBatch(request_id, reason, block_ids, hashes,
+                                        list(map(self.stored_by.__getitem__, block_ids))))
+
+    def _add_pending(self, batch: EvictionBatch) -> None:
+        """Queue a batch for `take_events`, dropping the oldest events beyond the bound."""
+        self._pending_batches.append(batch)
+        self._num_pending_events += len(batch)
+        excess = self._num_pending_events - self._max_pending_events
+        while excess > 0:
+            oldest = self._pending_batches.popleft()
+            if len(oldest) > excess:
+                self._pending_batches.appendleft(oldest.last(len(oldest) - excess))
+            dropped = min(len(oldest), excess)
+            self._num_pending_events -= dropped
+            self.events_dropped += dropped
+            excess -= dropped
 
     def _drop_copy(self, block_hash: bytes, block_id: int) -> bool:
         """Unmap one block holding `block_hash`; True if no other block holds it any more."""
@@ -162,7 +203,9 @@ class BlockPool:
         self._evict([b for b, h in enumerate(self.block_hashes) if h is not None], None, "reset")
         return True
 
-    def take_events(self) -> list[EvictionEvent]:
-        events = list(self._events)
-        self._events.clear()
-        return events
+    def take_events(self) -> list[EvictionBatch]:
+        """The pending eviction batches, oldest first; none are pending afterwards."""
+        batches = list(self._pending_batches)
+        self._pending_batches.clear()
+        self._num_pending_events = 0
+        return batches

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from prefixcache.services.common.block_identity import NO_EXTRAS, BlockExtras, BlockHash, BlockHasher
-from prefixcache.services.scheduler.kv_cache.block_pool import BlockPool, EvictionEvent
+from prefixcache.services.scheduler.kv_cache.block_pool import BlockPool, EvictionBatch
 
 StopReason = Literal["cold", "evicted", "full_hit", "disabled", "no_full_block"]
 
@@ -240,8 +240,9 @@ class KVCacheManager:
         """Forget all cached blocks. Refuses (False) while any request holds blocks."""
         return self._pool.reset()
 
-    def drain_events(self) -> list[EvictionEvent]:
-        """Eviction events since the last drain, oldest first."""
+    def drain_events(self) -> list[EvictionBatch]:
+        """Evictions since the last drain, one batch per evicting allocation (or reset), oldest
+        first; iterate a batch for its `EvictionEvent`s."""
         return self._pool.take_events()
 
     @property
