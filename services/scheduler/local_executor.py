@@ -2,13 +2,13 @@
 
 The runner is used through the methods of `prefixcache.services.worker.model_runner.ModelRunner`
 (describe, num_blocks_for_memory, initialize_kv_cache, execute), so this module imports no torch.
-Each step runs in a worker thread: the event loop keeps serving clients while the model computes.
+Steps run on one compute thread: the event loop keeps serving clients while the model computes.
 """
 from __future__ import annotations
 
-import asyncio
 from typing import Protocol
 
+from prefixcache.services.common.compute_thread import ComputeThread
 from prefixcache.services.common.step import SchedulerStep, StepOutput
 from prefixcache.services.scheduler.engine_core import WorkerInfo
 
@@ -34,11 +34,12 @@ class LocalExecutor:
         self.runner = runner
         self._num_kv_blocks = num_kv_blocks
         self._kv_cache_bytes = kv_cache_bytes
+        self._compute = ComputeThread()
 
     async def initialize(self, block_size: int) -> WorkerInfo:
         description = self.runner.describe()
         num_blocks = self._num_kv_blocks or self.runner.num_blocks_for_memory(self._kv_cache_bytes, block_size)
-        await asyncio.to_thread(self.runner.initialize_kv_cache, num_blocks, block_size)
+        await self._compute.run(self.runner.initialize_kv_cache, num_blocks, block_size)
         return WorkerInfo(
             model_id=description.model_id,
             vocab_size=description.vocab_size,
@@ -49,4 +50,4 @@ class LocalExecutor:
         )
 
     async def execute(self, step: SchedulerStep) -> StepOutput:
-        return await asyncio.to_thread(self.runner.execute, step)
+        return await self._compute.run(self.runner.execute, step)

@@ -17,6 +17,7 @@ from grpc import aio
 
 from prefixcache.protos.worker.v1 import worker_pb2 as pb
 from prefixcache.protos.worker.v1 import worker_pb2_grpc as pb_grpc
+from prefixcache.services.common.compute_thread import ComputeThread
 from prefixcache.services.common.grpc_server import Servicer, configure_logging, run_server
 from prefixcache.services.common.step_codec import output_to_proto, step_from_proto
 
@@ -49,6 +50,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.kv_cache_memory = kv_cache_memory  # bytes; resolved once the model has loaded
         self._block_size: int | None = None
         self._lock = asyncio.Lock()  # one step (or re-initialization) at a time
+        self.compute = ComputeThread("torch")  # every torch call: loading, cache setup, steps
 
     async def _loaded(self, context: aio.ServicerContext) -> ModelRunner:
         if self.runner is None:
@@ -70,7 +72,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 num_blocks = runner.num_blocks_for_memory(self.kv_cache_memory, request.block_size)
             except ValueError as error:  # the budget holds not even one block
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"kv_cache_memory: {error}")
-            await asyncio.to_thread(runner.initialize_kv_cache, num_blocks, request.block_size)
+            await self.compute.run(runner.initialize_kv_cache, num_blocks, request.block_size)
             self._block_size = request.block_size
         log.info("KV cache initialized: %d blocks of %d tokens", num_blocks, request.block_size)
         return pb.InitializeCacheResponse(
@@ -84,7 +86,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         step = step_from_proto(request)
         async with self._lock:
             try:
-                output = await asyncio.to_thread(runner.execute, step)
+                output = await self.compute.run(runner.execute, step)
             except ValueError as error:  # a step that contradicts what the worker holds
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
             except Exception as error:  # a bug: the request state may be half-updated, so say so
@@ -122,8 +124,8 @@ def run(args: argparse.Namespace) -> int:
         if model_dir is None:
             from prefixcache.services.common.model_store import ensure_default_model
 
-            model_dir = await asyncio.to_thread(ensure_default_model)
-        runner = await asyncio.to_thread(
+            model_dir = await servicer.compute.run(ensure_default_model)
+        runner = await servicer.compute.run(
             ModelRunner, model_dir, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend
         )
         servicer.kv_cache_memory = kv_cache_budget_bytes(args.kv_cache_memory, args.device)
