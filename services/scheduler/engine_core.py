@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from prefixcache.services.common.block_identity import BlockHasher
@@ -239,9 +239,13 @@ class EngineCore:
     # ---- cache ----------------------------------------------------------------------------------
 
     def cache_stats(self) -> CacheStats:
+        """Block counts of the KV cache now; queries, hits and evictions (to make room, not by a
+        reset) since the engine started, which outlive the cache manager a worker loss replaces."""
         if self._scheduler is None:
             raise EngineUnavailable("the engine has not started")
-        return self._scheduler.kv_cache.stats()
+        counters = self._scheduler.counters
+        return replace(self._scheduler.kv_cache.stats(), queries=counters.queried_tokens,
+                       hits=counters.hit_tokens, evictions=counters.evictions)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash. Refused (False) while any request holds blocks."""

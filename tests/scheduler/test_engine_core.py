@@ -162,6 +162,9 @@ def test_worker_loss_fails_in_flight_requests_and_a_restarted_worker_serves_with
         assert tokens_of(outputs) == reference_generation(prompt, 6, VOCAB)
         again = await collect(engine.add_request(request("again", prompt)))
         assert again[-1].usage.cached_tokens == 36
+        # Counted since the engine started: the replaced cache manager's counts are not lost.
+        stats = engine.cache_stats()
+        assert (stats.queries, stats.hits) == (2 * len(prompt) + 20 + len(prompt), 36)
 
     run(body)
 
