@@ -10,7 +10,11 @@ Per step, the batch splits three ways (`TorchAttentionPlan`, built once and shar
 - decodes attend in groups, one SDPA call each: sorted by length and cut where padding to the
   group's longest member would waste much (`MAX_DECODE_PADDING`). On one thread a group costs about
   what one call per decode does (both are bound by reading the cache); with more threads one call
-  parallelises over sequences and heads, which pays unless most of what it reads is padding.
+  parallelises over sequences and heads, which pays unless most of what it reads is padding;
+- decodes whose sequences start with the same physical blocks (prefix-cache hits: a shared system
+  prompt) attend as a cascade: the shared blocks are gathered once and attended by all their queries
+  in one call, each sequence's own tail in a padded group, and the two partial results are merged by
+  their log-sum-exp. Without it every decode reads the whole shared prefix again.
 
 Gathers copy whole blocks (`index_select` over the block axis), which moves the same bytes as a
 per-position gather in far fewer, larger copies. A padded decode group therefore reads, masked out,
@@ -35,6 +39,9 @@ from .metadata import AttentionMetadata
 
 # A decode group's padded size stays within this factor of the positions its members really have.
 MAX_DECODE_PADDING = 1.25
+# Decodes sharing leading blocks attend as a cascade once that saves reading this many positions (below
+# it the cascade's extra call and merge cost more than they save).
+MIN_CASCADE_SAVED_POSITIONS = 256
 
 
 @dataclass
@@ -65,10 +72,17 @@ class DecodeBatch:
 
 
 @dataclass
+class CascadeDecodes:
+    shared_blocks: torch.Tensor  # [num_shared_blocks] int64: the leading blocks every member's table holds
+    tails: DecodeBatch  # each member's positions after the shared blocks
+
+
+@dataclass
 class TorchAttentionPlan:
     fresh_prefills: list[FreshPrefill]
     context_prefills: list[ContextPrefill]
     decode_batches: list[DecodeBatch]
+    cascades: list[CascadeDecodes]
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int) -> TorchAttentionPlan:
@@ -90,8 +104,40 @@ class TorchAttentionPlan:
                 visible = positions[None, :] <= query_positions[:, None]
                 context.append(ContextPrefill(tokens, blocks, seq_len, visible))
             start += query_len
+        cascades, decodes = _find_cascades(meta, decodes, block_size)
         batches = [_decode_batch(meta, group, block_size) for group in _group_decodes(decodes)]
-        return cls(fresh, context, batches)
+        return cls(fresh, context, batches, cascades)
+
+
+def _find_cascades(
+    meta: AttentionMetadata, decodes: list[Decode], block_size: int
+) -> tuple[list[CascadeDecodes], list[Decode]]:
+    """Split off decodes that share leading blocks worth attending once; return them and the rest.
+
+    Only blocks wholly before a decode's own position count: the shared part then never holds a
+    member's last position, so every member keeps a non-empty tail.
+    """
+    tables: dict[int, list[list[int]]] = {}
+    members: dict[int, list[Decode]] = {}
+    for decode in decodes:
+        table = meta.block_tables[decode.seq, : (decode.seq_len - 1) // block_size].tolist()
+        if table:
+            tables.setdefault(table[0], []).append(table)
+            members.setdefault(table[0], []).append(decode)
+    cascades: list[CascadeDecodes] = []
+    cascaded: set[int] = set()
+    for first_block, group in members.items():
+        group_tables = tables[first_block]
+        num_shared = min(len(table) for table in group_tables)
+        for table in group_tables[1:]:
+            num_shared = next((i for i in range(num_shared) if table[i] != group_tables[0][i]), num_shared)
+        if (len(group) - 1) * num_shared * block_size < MIN_CASCADE_SAVED_POSITIONS:
+            continue
+        shared = torch.tensor(group_tables[0][:num_shared], dtype=torch.int64, device=meta.block_tables.device)
+        tails = _decode_batch(meta, sorted(group, reverse=True), block_size, skip_blocks=num_shared)
+        cascades.append(CascadeDecodes(shared, tails))
+        cascaded.update(decode.seq for decode in group)
+    return cascades, [decode for decode in decodes if decode.seq not in cascaded]
 
 
 def _group_decodes(decodes: list[Decode]) -> list[list[Decode]]:
@@ -111,13 +157,15 @@ def _group_decodes(decodes: list[Decode]) -> list[list[Decode]]:
     return groups
 
 
-def _decode_batch(meta: AttentionMetadata, group: list[Decode], block_size: int) -> DecodeBatch:
+def _decode_batch(meta: AttentionMetadata, group: list[Decode], block_size: int, skip_blocks: int = 0) -> DecodeBatch:
+    """Decodes longest first, attending to their positions from block `skip_blocks` on."""
     device = meta.block_tables.device
-    lens = [decode.seq_len for decode in group]
+    lens = [decode.seq_len - skip_blocks * block_size for decode in group]
     tokens = [decode.token for decode in group]
     max_len = lens[0]
     num_blocks = -(-max_len // block_size)
-    blocks = meta.block_tables[torch.tensor([decode.seq for decode in group], device=device), :num_blocks].long()
+    rows = torch.tensor([decode.seq for decode in group], device=device)
+    blocks = meta.block_tables[rows, skip_blocks : skip_blocks + num_blocks].long()
     visible = None
     if min(lens) != max_len:
         # Past its own blocks a row holds table padding, which may name any block: read the row's
@@ -172,7 +220,50 @@ def attend_torch(
             queries, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=decodes.visible, scale=scale
         )
         output.index_copy_(0, decodes.token_index, attended.reshape(num_decodes, -1, head_dim))
+    for cascade in plan.cascades:
+        attended = _attend_cascade(query, key_cache, value_cache, cascade, scale)
+        output.index_copy_(0, cascade.tails.token_index, attended.reshape(attended.shape[0], -1, head_dim))
     return output
+
+
+_flash_attention_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _attend_cascade(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, cascade: CascadeDecodes, scale: float
+) -> torch.Tensor:  # [members, num_kv_heads, group, D]
+    """Attention of decodes over their shared blocks plus their own tails, merged exactly.
+
+    Softmax over the union of two disjoint key sets: each part's output weighted by
+    exp(its log-sum-exp - the union's log-sum-exp). SDPA does not return the log-sum-exp, so this
+    calls the CPU flash kernel SDPA itself dispatches to (CPU only; CUDA runs the Triton kernel).
+    """
+    num_kv_heads, head_dim = key_cache.shape[2:]
+    tails = cascade.tails
+    members = tails.blocks.shape[0]
+    group = query.shape[1] // num_kv_heads
+    queries = query.index_select(0, tails.token_index).view(members, num_kv_heads, group, head_dim)
+
+    # Every member's queries against the shared keys in one call: [1, kv heads, members * group, D].
+    stacked = queries.transpose(0, 1).reshape(1, num_kv_heads, members * group, head_dim)
+    shared_keys = _gather_blocks(key_cache, cascade.shared_blocks).transpose(0, 1)[None]
+    shared_values = _gather_blocks(value_cache, cascade.shared_blocks).transpose(0, 1)[None]
+    shared, shared_lse = _flash_attention_with_lse(stacked, shared_keys, shared_values, scale=scale)
+    shared = shared.view(num_kv_heads, members, group, head_dim).transpose(0, 1)
+    shared_lse = shared_lse.view(num_kv_heads, members, group).transpose(0, 1)
+
+    tail_keys = _gather_blocks(key_cache, tails.blocks)[:, : tails.max_len].transpose(1, 2)
+    tail_values = _gather_blocks(value_cache, tails.blocks)[:, : tails.max_len].transpose(1, 2)
+    mask = None
+    if tails.visible is not None:  # the flash kernel takes an additive mask in the query's dtype
+        mask = torch.zeros(tails.visible.shape, dtype=query.dtype, device=query.device)
+        mask.masked_fill_(~tails.visible, float("-inf"))
+    own, own_lse = _flash_attention_with_lse(queries, tail_keys, tail_values, attn_mask=mask, scale=scale)
+
+    total_lse = torch.logaddexp(shared_lse, own_lse)
+    merged = shared.float() * torch.exp(shared_lse - total_lse)[..., None] \
+        + own.float() * torch.exp(own_lse - total_lse)[..., None]
+    return merged.to(query.dtype)
 
 
 def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

@@ -172,3 +172,34 @@ def test_torch_path_groups_decodes_of_similar_length(paged_batch):
     assert shapes == [(1, 2), (1, 4000), (3, 31)]
     [padded] = [decodes for decodes in plan.decode_batches if decodes.visible is not None]
     assert padded.visible.sum(dim=-1).flatten().tolist() == [31, 29, 26]
+
+
+@pytest.mark.parametrize("queries_per_kv", [1, 3])
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_torch_path_attends_shared_leading_blocks_once(paged_batch, relative_error, queries_per_kv, dtype, tolerance):
+    """Decodes whose tables start with the same 16 blocks (a cached 256-token prompt) attend to them as a
+    cascade: one call over the shared blocks, one over each sequence's own tail (padded, partial last
+    blocks), merged. A decode with its own table and a fresh prefill ride in the same step."""
+    sequences = [(300, 1), (270, 1), (333, 1), (290, 1), (100, 1), (0, 5)]
+    batch = paged_batch(sequences, block_size=16, num_kv_heads=2, queries_per_kv=queries_per_kv, head_dim=16,
+                        dtype=dtype)
+    for table in batch.block_tables[1:4]:
+        table[:16] = batch.block_tables[0][:16]
+    meta = written(batch, batch.query.device)
+    plan = TorchAttentionPlan.build(meta, batch.block_size)
+    [cascade] = plan.cascades
+    assert cascade.shared_blocks.tolist() == batch.block_tables[0][:16]
+    assert cascade.tails.token_index.tolist() == [2, 0, 3, 1]  # longest first
+    assert [decodes.token_index.tolist() for decodes in plan.decode_batches] == [[4]]
+    output = attend_torch(batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, plan, batch.scale)
+    assert output.dtype == dtype
+    assert relative_error(output.cpu(), reference_output(batch)) < tolerance
+
+
+def test_torch_path_skips_a_cascade_that_would_save_little(paged_batch):
+    """Two decodes sharing 4 blocks of 16 would save reading 64 positions: not worth a cascade."""
+    batch = paged_batch([(80, 1), (90, 1)], block_size=16, num_kv_heads=1, queries_per_kv=1, head_dim=8)
+    batch.block_tables[1][:4] = batch.block_tables[0][:4]
+    meta = AttentionMetadata.build(batch.query_lens, batch.seq_lens, batch.block_tables, batch.block_size, "cpu")
+    plan = TorchAttentionPlan.build(meta, batch.block_size)
+    assert plan.cascades == [] and sum(d.blocks.shape[0] for d in plan.decode_batches) == 2

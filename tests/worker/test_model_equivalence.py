@@ -18,7 +18,7 @@ from runner_harness import (
     save_tiny_checkpoint,
 )
 
-from prefixcache.kernels import AttentionMetadata
+from prefixcache.kernels import AttentionMetadata, torch_attention
 from prefixcache.services.worker.model_runner import ModelRunner
 
 LOGITS_TOLERANCE = 1e-3
@@ -105,6 +105,22 @@ def test_tiny_checkpoint_greedy_matches_transformers(tiny_model) -> None:
     expected = [reference_greedy(reference, prompt, NUM_GENERATED) for prompt in prompts]
     for way, generated in greedy_runs(runner, prompts, block_size=4).items():
         assert generated == expected, way
+
+
+def test_tiny_checkpoint_greedy_matches_transformers_through_cascade_attention(tiny_model, monkeypatch) -> None:
+    """Decodes reading the same cached blocks attend to them once, as a cascade merged by log-sum-exp.
+    It normally needs 256 saved positions; forced here for the short prompts, it must change nothing."""
+    model_dir, reference = tiny_model
+    cascades = []
+    attend_cascade = torch_attention._attend_cascade
+    monkeypatch.setattr(torch_attention, "MIN_CASCADE_SAVED_POSITIONS", 1)
+    monkeypatch.setattr(torch_attention, "_attend_cascade",
+                        lambda *args: cascades.append(args[3]) or attend_cascade(*args))
+    runner = ModelRunner(model_dir, attention_backend="torch")
+    prompts = sample_prompts(runner.config.vocab_size)
+    expected = [reference_greedy(reference, prompt, NUM_GENERATED) for prompt in prompts]
+    assert greedy_runs(runner, prompts, block_size=4)["cached prefix"] == expected
+    assert cascades and all(cascade.tails.blocks.shape[0] >= 2 for cascade in cascades)
 
 
 def test_embedded_model_logits_match_transformers(smollm_runner, smollm_reference, france_prompt) -> None:
