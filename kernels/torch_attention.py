@@ -115,28 +115,28 @@ def _find_cascades(
     """Split off decodes that share leading blocks worth attending once; return them and the rest.
 
     Only blocks wholly before a decode's own position count: the shared part then never holds a
-    member's last position, so every member keeps a non-empty tail.
+    member's last position, so every member keeps a non-empty tail. CPU only (see `_attend_cascade`).
     """
-    tables: dict[int, list[list[int]]] = {}
-    members: dict[int, list[Decode]] = {}
+    if meta.block_tables.device.type != "cpu":
+        return [], decodes
+    by_first_block: dict[int, list[tuple[Decode, list[int]]]] = {}
     for decode in decodes:
         table = meta.block_tables[decode.seq, : (decode.seq_len - 1) // block_size].tolist()
         if table:
-            tables.setdefault(table[0], []).append(table)
-            members.setdefault(table[0], []).append(decode)
+            by_first_block.setdefault(table[0], []).append((decode, table))
     cascades: list[CascadeDecodes] = []
     cascaded: set[int] = set()
-    for first_block, group in members.items():
-        group_tables = tables[first_block]
-        num_shared = min(len(table) for table in group_tables)
-        for table in group_tables[1:]:
-            num_shared = next((i for i in range(num_shared) if table[i] != group_tables[0][i]), num_shared)
+    for group in by_first_block.values():
+        first_table = group[0][1]
+        num_shared = min(len(table) for _, table in group)
+        for _, table in group[1:]:
+            num_shared = next((i for i in range(num_shared) if table[i] != first_table[i]), num_shared)
         if (len(group) - 1) * num_shared * block_size < MIN_CASCADE_SAVED_POSITIONS:
             continue
-        shared = torch.tensor(group_tables[0][:num_shared], dtype=torch.int64, device=meta.block_tables.device)
-        tails = _decode_batch(meta, sorted(group, reverse=True), block_size, skip_blocks=num_shared)
-        cascades.append(CascadeDecodes(shared, tails))
-        cascaded.update(decode.seq for decode in group)
+        members = sorted((decode for decode, _ in group), reverse=True)
+        shared = torch.tensor(first_table[:num_shared], dtype=torch.int64)
+        cascades.append(CascadeDecodes(shared, _decode_batch(meta, members, block_size, skip_blocks=num_shared)))
+        cascaded.update(decode.seq for decode in members)
     return cascades, [decode for decode in decodes if decode.seq not in cascaded]
 
 
