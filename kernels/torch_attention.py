@@ -199,8 +199,7 @@ def attend_torch(
     plan: TorchAttentionPlan,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
-    num_kv_heads, head_dim = key_cache.shape[2:]
-    group = query.shape[1] // num_kv_heads
+    head_dim = key_cache.shape[3]
     output = torch.empty_like(query)
 
     for prefill in plan.fresh_prefills:
@@ -212,14 +211,9 @@ def attend_torch(
         values = _gather_blocks(value_cache, prefill.blocks)[: prefill.seq_len]
         output[rows] = _sdpa_prefill(query[rows], keys, values, prefill.visible, scale)
     for decodes in plan.decode_batches:
-        num_decodes = decodes.blocks.shape[0]
-        keys = _gather_blocks(key_cache, decodes.blocks)[:, : decodes.max_len]  # [num_decodes, max_len, heads, D]
-        values = _gather_blocks(value_cache, decodes.blocks)[:, : decodes.max_len]
-        queries = query.index_select(0, decodes.token_index).view(num_decodes, num_kv_heads, group, head_dim)
-        attended = F.scaled_dot_product_attention(
-            queries, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=decodes.visible, scale=scale
-        )
-        output.index_copy_(0, decodes.token_index, attended.reshape(num_decodes, -1, head_dim))
+        queries, keys, values = _decode_inputs(query, key_cache, value_cache, decodes)
+        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=decodes.visible, scale=scale)
+        output.index_copy_(0, decodes.token_index, attended.reshape(queries.shape[0], -1, head_dim))
     for cascade in plan.cascades:
         attended = _attend_cascade(query, key_cache, value_cache, cascade, scale)
         output.index_copy_(0, cascade.tails.token_index, attended.reshape(attended.shape[0], -1, head_dim))
@@ -227,6 +221,20 @@ def attend_torch(
 
 
 _flash_attention_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _decode_inputs(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, decodes: DecodeBatch
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode group's queries `[n, kv heads, group, D]` and its keys and values `[n, kv heads, max_len, D]`.
+
+    The query heads of one key/value head become a batch of `group` queries (GQA without copies)."""
+    num_kv_heads, head_dim = key_cache.shape[2:]
+    num_decodes = decodes.blocks.shape[0]
+    queries = query.index_select(0, decodes.token_index).view(num_decodes, num_kv_heads, -1, head_dim)
+    keys = _gather_blocks(key_cache, decodes.blocks)[:, : decodes.max_len].transpose(1, 2)
+    values = _gather_blocks(value_cache, decodes.blocks)[:, : decodes.max_len].transpose(1, 2)
+    return queries, keys, values
 
 
 def _attend_cascade(
@@ -238,11 +246,9 @@ def _attend_cascade(
     exp(its log-sum-exp - the union's log-sum-exp). SDPA does not return the log-sum-exp, so this
     calls the CPU flash kernel SDPA itself dispatches to (CPU only; CUDA runs the Triton kernel).
     """
-    num_kv_heads, head_dim = key_cache.shape[2:]
     tails = cascade.tails
-    members = tails.blocks.shape[0]
-    group = query.shape[1] // num_kv_heads
-    queries = query.index_select(0, tails.token_index).view(members, num_kv_heads, group, head_dim)
+    queries, tail_keys, tail_values = _decode_inputs(query, key_cache, value_cache, tails)
+    members, num_kv_heads, group, head_dim = queries.shape
 
     # Every member's queries against the shared keys in one call: [1, kv heads, members * group, D].
     stacked = queries.transpose(0, 1).reshape(1, num_kv_heads, members * group, head_dim)
@@ -252,8 +258,6 @@ def _attend_cascade(
     shared = shared.view(num_kv_heads, members, group, head_dim).transpose(0, 1)
     shared_lse = shared_lse.view(num_kv_heads, members, group).transpose(0, 1)
 
-    tail_keys = _gather_blocks(key_cache, tails.blocks)[:, : tails.max_len].transpose(1, 2)
-    tail_values = _gather_blocks(value_cache, tails.blocks)[:, : tails.max_len].transpose(1, 2)
     mask = None
     if tails.visible is not None:  # the flash kernel takes an additive mask in the query's dtype
         mask = torch.zeros(tails.visible.shape, dtype=query.dtype, device=query.device)
