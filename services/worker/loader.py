@@ -80,6 +80,8 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"{model_dir}: checkpoint lacks {len(missing)} weight(s): {shown}")
+    if torch.device(device).type == "cpu":
+        model.lay_out_for_cpu()
     return LoadedModel(model=model, config=config, model_id=f"{model_dir.name}@sha256:{_digest(files)[:16]}")
 
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixcache.services.worker.model_config import ModelConfig
+from prefixcache.services.worker.models.cpu_linear import CpuLinear, choose_blocked_rows, swap_in_cpu_linears
 from prefixcache.services.worker.models.rotary import RotaryEmbedding, rotate
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), each [num_blocks, block_size, Hkv, D]
@@ -120,13 +121,27 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] → [N, vocab] float32 logits."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def lay_out_for_cpu(self) -> None:
+        """Swap every projection, the logits head included, for a `CpuLinear` (once, after loading).
+
+        A tied head gets its own copy of the embeddings: the lookup needs them row by row.
+        """
+        projections = [m for m in self.modules() if isinstance(m, nn.Linear)]
+        head = self.embed_tokens.weight if self.lm_head is None else None
+        projection_bytes = sum(m.weight.nbytes for m in projections) + (head.nbytes if head is not None else 0)
+        blocked_rows = choose_blocked_rows(self.embed_tokens.weight.dtype, projection_bytes)
+        swap_in_cpu_linears(self, blocked_rows)
+        if head is not None:
+            self.lm_head = CpuLinear(head, None, blocked_rows)
 
     def expected_checkpoint_names(self) -> set[str]:
         """Every Hugging Face tensor name a complete checkpoint must provide."""
         names = {"model.embed_tokens.weight", "model.norm.weight"}
-        if self.lm_head is not None:
+        if not self.config.tie_word_embeddings:
             names.add("lm_head.weight")
         per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight",
                      "mlp.down_proj.weight"]
@@ -144,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
         """Copy one checkpoint tensor into its (possibly fused) parameter; False if the model has no use for it."""
-        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.lm_head is None):
+        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
             return False  # recomputed, or tied to the embeddings
         local = name.removeprefix("model.")
         target, index = local, None

@@ -1,0 +1,82 @@
+"""CpuLinear computes what nn.Linear computes, from whichever weight layout serves the row count."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prefixcache.services.worker.models.cpu_linear import (
+    ALL_ROWS,
+    FLOAT32_BLOCKED_ROWS,
+    CpuLinear,
+    choose_blocked_rows,
+    swap_in_cpu_linears,
+)
+
+ROW_COUNTS = (1, 2, 7, 8, 32, 33, 100)
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+def _weights(dtype: torch.dtype, bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    generator = torch.Generator().manual_seed(0)
+    weight = (torch.randn(96, 64, generator=generator) * 0.1).to(dtype)
+    return weight, (torch.randn(96, generator=generator).to(dtype) if bias else None)
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("blocked_rows", [None, FLOAT32_BLOCKED_ROWS, ALL_ROWS])
+def test_float32_matches_linear_for_every_row_count(bias: bool, blocked_rows: range | None) -> None:
+    weight, bias_tensor = _weights(torch.float32, bias)
+    layer = CpuLinear(weight, bias_tensor, blocked_rows)
+    for rows in ROW_COUNTS:
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+        torch.testing.assert_close(layer(x), F.linear(x, weight, bias_tensor), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_bfloat16_blocked_for_all_rows_matches_linear() -> None:
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no oneDNN bfloat16 support")
+    weight, bias = _weights(torch.bfloat16, True)
+    layer = CpuLinear(weight, bias, ALL_ROWS)
+    assert layer.weight_t is None  # the blocked copy is the only one
+    for rows in ROW_COUNTS:
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        torch.testing.assert_close(layer(x).float(), F.linear(x, weight, bias).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_transposed_copy_only_without_blocked_rows() -> None:
+    weight, _ = _weights(torch.float32, False)
+    layer = CpuLinear(weight, None, None)
+    assert layer.weight_blocked is None
+    assert layer.weight_t.shape == (64, 96) and layer.weight_t.is_contiguous()
+    assert torch.equal(layer.weight_t, weight.t())
+
+
+@needs_onednn
+def test_blocked_copy_depends_on_dtype_and_memory() -> None:
+    assert choose_blocked_rows(torch.float32, 1 << 20) == FLOAT32_BLOCKED_ROWS
+    assert choose_blocked_rows(torch.float32, 1 << 62) is None  # no room for a second copy
+    expected_bf16 = ALL_ROWS if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
+    assert choose_blocked_rows(torch.bfloat16, 1 << 62) == expected_bf16  # one copy, whatever the size
+
+
+def test_swap_replaces_every_linear_and_keeps_the_function() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Sequential(nn.Linear(32, 16, bias=False)))
+    x = torch.randn(5, 64)
+    expected = model(x)
+    assert swap_in_cpu_linears(model, None) == 2
+    assert not any(isinstance(module, nn.Linear) for module in model.modules())
+    torch.testing.assert_close(model(x), expected)
+
+
+def test_loaded_cpu_model_serves_every_projection_from_cpu_layouts(smollm_runner) -> None:
+    model = smollm_runner.model
+    assert not any(isinstance(module, nn.Linear) for module in model.modules())
+    assert isinstance(model.lm_head, CpuLinear)  # SmolLM2 ties its head: it gets its own copy
+    hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(model.compute_logits(hidden), F.linear(hidden, model.embed_tokens.weight),
+                               rtol=1e-4, atol=1e-4)
