@@ -44,6 +44,23 @@ def test_fast_path_reencodes_runs_with_small_ids(values, positions, small):
     assert b"".join(runs) == cbor2.dumps(values, canonical=True)[2:]  # 0x98 0x40: array(64)
 
 
+u32_token_ids = (st.integers(min_value=0, max_value=(1 << 32) - 1)
+                 | st.sampled_from([0, 23, 24, 255, 256, 65535, 65536, (1 << 32) - 1])
+                 | st.integers(min_value=0, max_value=300))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(min_value=0, max_value=5), st.lists(u32_token_ids, min_size=1, max_size=128))
+def test_vectorized_path_matches_cbor2_for_every_width(log_run, values):
+    """Dense small ids or ids of 64k and more take the numpy path: every width mixed in a run."""
+    run_length = 1 << log_run
+    values = values[: len(values) // run_length * run_length]
+    runs = cbor.encode_uint_runs(values, run_length)
+    expected = [cbor2.dumps(values[i : i + run_length], canonical=True)[len(cbor.head(4, run_length)):]
+                for i in range(0, len(values), run_length)]
+    assert runs == expected
+
+
 def test_head_uses_the_shortest_form():
     assert cbor.head(0, 23) == b"\x17"
     assert cbor.head(0, 24) == b"\x18\x18"
