@@ -21,6 +21,7 @@ when memory allows (it doubles the projections' footprint).
 from __future__ import annotations
 
 import sys
+from functools import lru_cache
 
 import torch
 from torch import nn
@@ -37,13 +38,31 @@ _BLOCKED_COPY_MEMORY_SHARE = 0.25
 
 def choose_blocked_rows(dtype: torch.dtype, projection_bytes: int) -> range | None:
     """Row counts that should use the blocked layout (None: no blocked copy) for these weights."""
-    if not torch.backends.mkldnn.is_available():
+    if not _blocked_layout_works(dtype):
         return None
     if dtype == torch.bfloat16:
-        return ALL_ROWS if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
-    if dtype == torch.float32 and projection_bytes <= _BLOCKED_COPY_MEMORY_SHARE * free_device_memory(torch.device("cpu")):
-        return FLOAT32_BLOCKED_ROWS
-    return None
+        return ALL_ROWS
+    try:
+        available = free_device_memory(torch.device("cpu"))
+    except (OSError, RuntimeError):  # no /proc/meminfo: do not guess, keep one copy
+        return None
+    return FLOAT32_BLOCKED_ROWS if projection_bytes <= _BLOCKED_COPY_MEMORY_SHARE * available else None
+
+
+@lru_cache(maxsize=None)
+def _blocked_layout_works(dtype: torch.dtype) -> bool:
+    """Whether this torch build and CPU can reorder and multiply `dtype` weights with oneDNN."""
+    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    try:
+        weight = torch.ones(4, 4, dtype=dtype)
+        blocked = torch.ops.mkldnn._reorder_linear_weight(weight, _BLOCKED_HINT_ROWS)
+        product = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 4, dtype=dtype), blocked, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return bool((product == 4).all())
 
 
 class CpuLinear(nn.Module):
