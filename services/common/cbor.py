@@ -124,8 +124,8 @@ def _u16_encodings() -> list[bytes]:
 _U32 = next(code for code in "IL" if array(code).itemsize == 4)
 _NATIVE_LITTLE_ENDIAN = sys.byteorder == "little"
 _U16_HEAD = bytes((_MAJOR_UINT << 5 | 25,))
-# Re-encoding runs one by one beats the vectorized path while at most one run in this many holds a
-# value below 256 (a re-encoded run costs about four runs' share of the vectorized path).
+# Re-encoding runs one by one beats the vectorized path while the values below 256 number at most one
+# per this many runs (a re-encoded run costs about four runs' share of the vectorized path).
 _SPARSE_SMALL_IDS = 4
 
 
