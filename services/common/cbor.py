@@ -115,18 +115,13 @@ def _fixed_width_pattern(width: int) -> re.Pattern[bytes]:
     return re.compile(b".{%d}" % width, re.DOTALL)
 
 
-@lru_cache(maxsize=1)
-def _u16_encodings() -> list[bytes]:
-    """value -> CBOR encoding for every value below 65536 (about 3 MB, built on first use)."""
-    return [head(_MAJOR_UINT, value) for value in range(0x10000)]
-
-
 _U32 = next(code for code in "IL" if array(code).itemsize == 4)
 _NATIVE_LITTLE_ENDIAN = sys.byteorder == "little"
 _U16_HEAD = bytes((_MAJOR_UINT << 5 | 25,))
-# Re-encoding runs one by one beats the vectorized path while the values below 256 number at most one
-# per this many runs (a re-encoded run costs about four runs' share of the vectorized path).
-_SPARSE_SMALL_IDS = 4
+_SMALL_ENCODINGS = [head(_MAJOR_UINT, value) for value in range(256)]
+# Splicing values below 256 into fixed-width runs beats the vectorized path while they number at most
+# one per this many runs (a splice costs about two runs' share of the vectorized path).
+_SPARSE_SMALL_IDS = 2
 
 
 def encode_uint_runs(values: Sequence[int], run_length: int) -> list[bytes]:
@@ -137,8 +132,8 @@ def encode_uint_runs(values: Sequence[int], run_length: int) -> list[bytes]:
 
     - all in [256, 65536) (random ids of a vocabulary under 64k): each encodes as `0x19` plus two
       bytes, so three strided slice assignments build every run at a fixed width;
-    - the same, but a few below 256 (shorter encodings): the runs holding them are re-encoded one by
-      one afterwards (about a microsecond each);
+    - the same, but a few below 256 (shorter encodings): their 1- or 2-byte encodings are spliced
+      into the fixed-width runs afterwards;
     - anything else, such as real text, where about a third of the tokens of a byte-level BPE
       vocabulary (punctuation, spaces, newlines) lie below 256, or ids of 64k and more: every value's
       encoding is built at once with numpy as a head byte plus the last 0-4 of its big-endian bytes.
@@ -168,14 +163,22 @@ def encode_uint_runs(values: Sequence[int], run_length: int) -> list[bytes]:
     # Every run is now exactly 3 * run_length bytes; a regex splits them in one C loop (about a
     # third faster than a comprehension of slices).
     runs = _fixed_width_pattern(3 * run_length).findall(packed)
+    # Splice the shorter encodings of values below 256 into their runs, right to left within a run
+    # so the offsets still to visit do not move.
     position = high_bytes.find(0)
-    if position != -1:
-        encodings = _u16_encodings().__getitem__
-        while position != -1:
-            run = position // run_length
-            start = run * run_length
-            runs[run] = b"".join(map(encodings, values[start : start + run_length]))
-            position = high_bytes.find(0, start + run_length)
+    while position != -1:
+        run = position // run_length
+        first = run * run_length
+        positions = [position]
+        position = high_bytes.find(0, position + 1)
+        while position != -1 and position < first + run_length:
+            positions.append(position)
+            position = high_bytes.find(0, position + 1)
+        encoded = runs[run]
+        for small in reversed(positions):
+            offset = 3 * (small - first)
+            encoded = encoded[:offset] + _SMALL_ENCODINGS[raw[4 * small + 3]] + encoded[offset + 3 :]
+        runs[run] = encoded
     return runs
 
 
