@@ -2,13 +2,15 @@
 
     "2GiB", "512MiB", "1.5GB", "1073741824"  → that many bytes
     "0.4"                                     → 40% of the memory free on the device right now
-                                                (CUDA: free GPU memory; CPU: MemAvailable)
+                                                (CUDA: free GPU memory; CPU: MemAvailable, capped
+                                                by the headroom under a cgroup memory limit)
 
 Take the fraction after the model is loaded, so the weights are already accounted for.
 """
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import torch
 
@@ -35,11 +37,57 @@ def kv_cache_budget_bytes(spec: str, device: torch.device | str = "cpu") -> int:
 
 
 def free_device_memory(device: torch.device) -> int:
+    """Bytes free on `device`: CUDA's free memory; on CPU, MemAvailable, capped by the headroom
+    under this process's cgroup memory limit (a pod's limit, which MemAvailable does not see)."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return free
     with open("/proc/meminfo") as meminfo:
         for line in meminfo:
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemAvailable line")
+                available = int(line.split()[1]) * 1024
+                break
+        else:
+            raise RuntimeError("/proc/meminfo has no MemAvailable line")
+    headroom = cgroup_memory_headroom()
+    return available if headroom is None else min(available, headroom)
+
+
+# cgroup v1 reports "no limit" as a page-rounded LONG_MAX.
+_V1_UNLIMITED = 1 << 62
+
+
+def cgroup_memory_headroom(cgroup_root: Path = Path("/sys/fs/cgroup"),
+                           self_cgroup: Path = Path("/proc/self/cgroup")) -> int | None:
+    """Limit minus usage of this process's memory cgroup, or None without a limit (or a cgroup).
+
+    cgroup v2: `<root>/<path>/memory.max` and `memory.current`; v1: the `memory` controller's
+    `memory.limit_in_bytes` and `memory.usage_in_bytes`. Inside a container the process's cgroup is
+    usually the mount's root, so the root is tried when the named path is not mounted.
+    """
+    try:
+        lines = self_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _hierarchy, controllers, path = line.split(":", 2)
+        relative = path.lstrip("/")
+        if controllers == "":  # v2
+            candidates = [(cgroup_root / relative, "memory.max", "memory.current"),
+                          (cgroup_root, "memory.max", "memory.current")]
+        elif "memory" in controllers.split(","):  # v1
+            base = cgroup_root / "memory"
+            candidates = [(base / relative, "memory.limit_in_bytes", "memory.usage_in_bytes"),
+                          (base, "memory.limit_in_bytes", "memory.usage_in_bytes")]
+        else:
+            continue
+        for directory, limit_file, usage_file in candidates:
+            try:
+                limit_text = (directory / limit_file).read_text().strip()
+                usage = int((directory / usage_file).read_text())
+            except (OSError, ValueError):
+                continue
+            if limit_text == "max" or int(limit_text) >= _V1_UNLIMITED:
+                break  # this cgroup has no limit; an enclosing one might, but is not visible here
+            return max(int(limit_text) - usage, 0)
+    return None
