@@ -23,9 +23,12 @@ def test_encode_matches_cbor2_canonical(value):
     assert cbor.encode(value) == cbor2.dumps(value, canonical=True)
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.integers(min_value=0, max_value=5), st.lists(token_ids, max_size=64), st.data())
-def test_encode_uint_runs_matches_cbor2_per_run(log_run, values, data):
+u32_token_ids = (st.integers(min_value=0, max_value=(1 << 32) - 1)
+                 | st.sampled_from([0, 23, 24, 255, 256, 65535, 65536, (1 << 32) - 1])
+                 | st.integers(min_value=0, max_value=300))
+
+
+def _assert_runs_match_cbor2(values: list[int], log_run: int) -> None:
     run_length = 1 << log_run
     values = values[: len(values) // run_length * run_length]
     runs = cbor.encode_uint_runs(values, run_length)
@@ -34,31 +37,36 @@ def test_encode_uint_runs_matches_cbor2_per_run(log_run, values, data):
     assert runs == expected
 
 
-@settings(max_examples=100, deadline=None)
-@given(st.lists(st.integers(min_value=256, max_value=65535), min_size=64, max_size=64),
-       st.sets(st.integers(min_value=0, max_value=63)), st.integers(min_value=0, max_value=255))
-def test_fast_path_reencodes_runs_with_small_ids(values, positions, small):
-    for position in positions:
-        values[position] = small
-    runs = cbor.encode_uint_runs(values, 16)
-    assert b"".join(runs) == cbor2.dumps(values, canonical=True)[2:]  # 0x98 0x40: array(64)
-
-
-u32_token_ids = (st.integers(min_value=0, max_value=(1 << 32) - 1)
-                 | st.sampled_from([0, 23, 24, 255, 256, 65535, 65536, (1 << 32) - 1])
-                 | st.integers(min_value=0, max_value=300))
+@settings(max_examples=200, deadline=None)
+@given(st.integers(min_value=0, max_value=5), st.lists(token_ids, max_size=64))
+def test_encode_uint_runs_matches_cbor2_per_run(log_run, values):
+    _assert_runs_match_cbor2(values, log_run)
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.integers(min_value=0, max_value=5), st.lists(u32_token_ids, min_size=1, max_size=128))
 def test_vectorized_path_matches_cbor2_for_every_width(log_run, values):
     """Dense small ids or ids of 64k and more take the numpy path: every width mixed in a run."""
-    run_length = 1 << log_run
-    values = values[: len(values) // run_length * run_length]
-    runs = cbor.encode_uint_runs(values, run_length)
-    expected = [cbor2.dumps(values[i : i + run_length], canonical=True)[len(cbor.head(4, run_length)):]
-                for i in range(0, len(values), run_length)]
-    assert runs == expected
+    _assert_runs_match_cbor2(values, log_run)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(min_value=256, max_value=65535), min_size=64, max_size=64),
+       st.sets(st.integers(min_value=0, max_value=63)), st.integers(min_value=0, max_value=255))
+def test_fixed_width_path_splices_in_small_ids(values, positions, small):
+    for position in positions:
+        values[position] = small
+    runs = cbor.encode_uint_runs(values, 16)
+    assert b"".join(runs) == cbor2.dumps(values, canonical=True)[2:]  # 0x98 0x40: array(64)
+
+
+def test_splicing_several_small_ids_into_one_run():
+    values = list(range(1000, 1000 + 16 * 8))  # eight runs of 3-byte encodings
+    values[3], values[9], values[15] = 5, 200, 23  # three short encodings in run 0 (1, 2 and 1 bytes)
+    runs = cbor.encode_uint_runs(values, 16)
+    assert runs[0] == cbor2.dumps(values[:16], canonical=True)[1:]
+    assert len(runs[0]) == 3 * 16 - 2 - 1 - 2
+    assert b"".join(runs) == cbor2.dumps(values, canonical=True)[2:]
 
 
 def test_head_uses_the_shortest_form():
