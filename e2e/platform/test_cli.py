@@ -37,6 +37,16 @@ def test_generate_json_and_stats(target: str, tmp_path: Path) -> None:
     assert counters["hit_tokens"] >= usage["cached_tokens"] and counters["block_size"] == 16
 
 
+def test_generate_json_with_logprobs(target: str) -> None:
+    result = prefixcache("generate", "Hello", "--target", target, "--max-tokens", "3", "--temperature", "0",
+                         "--json", "--logprobs", "2")
+    assert result.returncode == 0, result.stderr
+    completion = json.loads(result.stdout)
+    assert len(completion["logprobs"]) == len(completion["token_ids"]) == 3
+    for token_id, entry in zip(completion["token_ids"], completion["logprobs"]):
+        assert len(entry["top"]) == 2 and entry["top"][0][0] == token_id and entry["logprob"] <= 0
+
+
 def test_a_failed_call_exits_non_zero_with_the_status(target: str) -> None:
     result = prefixcache("generate", "hi", "--target", target, "--top-p", "2")
     assert result.returncode == 1

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Iterator
 
 import grpc
@@ -109,6 +110,28 @@ def test_stop_strings_end_the_text_before_the_match(target: str) -> None:
     assert stopped.usage.completion_tokens < free.usage.completion_tokens
 
 
+def test_logprobs_come_with_each_token_and_agree_with_greedy_choice(target: str) -> None:
+    async def main() -> tuple[Completion, Completion]:
+        async with EngineClient(target) as engine:
+            prompt = "The capital of France is"
+            plain = await engine.complete(build_request(text=prompt, max_tokens=6, temperature=0.0), timeout_s=120)
+            scored = await engine.complete(
+                build_request(text=prompt, max_tokens=6, temperature=0.0, logprobs=3), timeout_s=120
+            )
+            return plain, scored
+
+    plain, scored = run(main())
+    assert plain.logprobs == []  # only on request
+    assert scored.token_ids == plain.token_ids  # asking for logprobs changes nothing else
+    assert len(scored.logprobs) == len(scored.token_ids)
+    for token_id, entry in zip(scored.token_ids, scored.logprobs):
+        top = [(t.token_id, t.logprob) for t in entry.top]
+        assert len(top) == 3 and all(a[1] >= b[1] for a, b in zip(top, top[1:]))  # most likely first
+        assert top[0][0] == token_id  # greedy picks the most likely token
+        assert entry.logprob == pytest.approx(top[0][1]) and -20 < entry.logprob <= 0
+        assert math.fsum(math.exp(logprob) for _, logprob in top) <= 1 + 1e-5
+
+
 BAD_REQUESTS = {
     "empty prompt": (dict(text=""), "text"),
     "empty token ids": (dict(token_ids=[]), "token_ids"),
@@ -119,6 +142,7 @@ BAD_REQUESTS = {
     "negative temperature": (dict(text="hi", temperature=-0.5), "sampling.temperature"),
     "top_p zero": (dict(text="hi", top_p=0.0), "sampling.top_p"),
     "top_p above one": (dict(text="hi", top_p=1.5), "sampling.top_p"),
+    "more than 20 logprobs": (dict(text="hi", logprobs=21), "sampling.logprobs"),
     "unknown LoRA adapter": (dict(text="hi", lora_adapter="nope"), "lora_adapter"),
     "no chat messages": (dict(messages=[]), "chat.messages"),
     "unknown chat role": (dict(messages=[("wizard", "hi")]), "chat.messages[0].role"),

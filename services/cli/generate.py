@@ -2,7 +2,8 @@
 
 With `--system FILE` the prompt becomes a chat (system message from the file, then the prompt as
 the user's message), rendered with the model's chat template; `--chat` does the same without a
-system message. `--json` prints one JSON object at the end instead of streaming.
+system message. `--json` prints one JSON object at the end instead of streaming (with `--logprobs N`,
+each token's log-probability and the N most likely tokens at its position).
 """
 from __future__ import annotations
 
@@ -22,17 +23,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     parser.add_argument("--request-id", default="", help="client request id (default: server-assigned)")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    parser.add_argument("--logprobs", type=int, default=0, metavar="N",
+                        help="with --json: each token's log-probability and the N most likely tokens (1-20)")
     add_sampling(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    options = {"request_id": args.request_id, "logprobs": args.logprobs, **sampling_kwargs(args)}
     if args.system is not None:
-        messages = [("system", args.system.read_text()), ("user", args.prompt)]
-        request = build_request(messages=messages, request_id=args.request_id, **sampling_kwargs(args))
+        request = build_request(messages=[("system", args.system.read_text()), ("user", args.prompt)], **options)
     elif args.chat:
-        request = build_request(messages=[("user", args.prompt)], request_id=args.request_id, **sampling_kwargs(args))
+        request = build_request(messages=[("user", args.prompt)], **options)
     else:
-        request = build_request(text=args.prompt, request_id=args.request_id, **sampling_kwargs(args))
+        request = build_request(text=args.prompt, **options)
 
     async def main() -> int:
         completion = Completion()

@@ -44,6 +44,7 @@ def build_request(
     cache_salt: str | None = None,
     tenant: str | None = None,
     lora_adapter: str = "",
+    logprobs: int = 0,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from plain values; give exactly one of text, token_ids, messages.
 
@@ -76,6 +77,7 @@ def build_request(
     sampling.stop.extend(stop)
     sampling.stop_token_ids.extend(stop_token_ids)
     sampling.ignore_eos = ignore_eos
+    sampling.logprobs = logprobs
     if cache_salt is not None:
         request.cache_salt = cache_salt
     elif tenant is not None:
@@ -93,12 +95,14 @@ class Completion:
     finish_reason: str | None = None
     usage: pb.Usage = field(default_factory=pb.Usage)
     cache_account: pb.CacheAccount | None = None
+    logprobs: list[pb.TokenLogprobs] = field(default_factory=list)  # one per token id, when asked for
     num_chunks: int = 0
 
     def add(self, chunk: pb.GenerateResponse) -> None:
         self.request_id = chunk.request_id
         self.text += chunk.text
         self.token_ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
         self.num_chunks += 1
         if chunk.HasField("cache_account"):
             self.cache_account = chunk.cache_account
@@ -113,6 +117,10 @@ class Completion:
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
+            **({"logprobs": [
+                {"logprob": entry.logprob, "top": [[top.token_id, top.logprob] for top in entry.top]}
+                for entry in self.logprobs
+            ]} if self.logprobs else {}),
             "usage": {
                 "prompt_tokens": self.usage.prompt_tokens,
                 "cached_tokens": self.usage.cached_tokens,

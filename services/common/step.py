@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+MAX_LOGPROBS = 20  # most alternatives a request may ask for with each sampled token
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How the worker picks the next token. `temperature == 0` means greedy."""
@@ -22,7 +24,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 disables top-k
     seed: int | None = None  # per-request generator: same seed, same tokens
-    logprobs: int = 0  # how many top alternatives to return with each sampled token (0: none)
+    logprobs: int = 0  # how many top alternatives to return with each sampled token (0: none; <= MAX_LOGPROBS)
 
 
 @dataclass

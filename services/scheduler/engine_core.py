@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from prefixcache.services.common.block_identity import BlockHasher
-from prefixcache.services.common.step import SchedulerStep, StepOutput
+from prefixcache.services.common.step import MAX_LOGPROBS, SchedulerStep, StepOutput
 from prefixcache.services.scheduler.kv_cache import CacheStats, KVCacheManager
 from prefixcache.services.scheduler.metrics import SchedulerMetrics
 from prefixcache.services.scheduler.request import EngineRequest, RequestOutput, Usage
@@ -223,8 +223,8 @@ class EngineCore:
             raise RequestRejected("top_p", f"must be in (0, 1], got {sampling.top_p}")
         if sampling.top_k < 0:
             raise RequestRejected("top_k", f"must be >= 0, got {sampling.top_k}")
-        if sampling.logprobs < 0:
-            raise RequestRejected("logprobs", f"must be >= 0, got {sampling.logprobs}")
+        if not 0 <= sampling.logprobs <= MAX_LOGPROBS:
+            raise RequestRejected("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {sampling.logprobs}")
         if request.extras.mm_items and not info.supports_multimodal:
             raise RequestRejected("multimodal", f"the model {info.model_id!r} takes text only")
         bad_stop = next((t for t in request.stop_token_ids if not 0 <= t < info.vocab_size), None)

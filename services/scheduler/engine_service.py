@@ -53,6 +53,7 @@ PUBLIC_FIELDS = {
     "top_p": "sampling.top_p",
     "top_k": "sampling.top_k",
     "stop_token_ids": "sampling.stop_token_ids",
+    "logprobs": "sampling.logprobs",
 }
 _tracer = trace.get_tracer(__name__)
 
@@ -185,6 +186,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             top_p=options.top_p if options.HasField("top_p") else 1.0,
             top_k=options.top_k,
             seed=options.seed if options.HasField("seed") else None,
+            logprobs=options.logprobs,
         )
         if options.HasField("max_tokens"):
             max_tokens = options.max_tokens
@@ -316,6 +318,11 @@ class _Stream:
 
     def _response(self, output: RequestOutput, text: str, reason: str | None) -> pb.GenerateResponse:
         response = pb.GenerateResponse(request_id=self._request_id, token_ids=output.new_token_ids, text=text)
+        for logprobs in output.logprobs:
+            response.logprobs.append(pb.TokenLogprobs(
+                logprob=logprobs.logprob,
+                top=[pb.TopLogprob(token_id=token_id, logprob=logprob) for token_id, logprob in logprobs.top],
+            ))
         if output.cache_account is not None:
             response.cache_account.CopyFrom(account_to_proto(output.cache_account))
         if reason is not None:

@@ -12,9 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixcache.services.common.step import SamplingParams, TokenLogprobs
-
-MAX_LOGPROBS = 20
+from prefixcache.services.common.step import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 
 
 def validate_sampling(params: SamplingParams) -> None:
