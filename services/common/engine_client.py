@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from prefixcache.protos.common.v1 import chat_pb2
+from prefixcache.protos.common.v1 import chat_pb2, logprobs_pb2
 from prefixcache.protos.engine.v1 import engine_pb2 as pb
 from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
 from prefixcache.services.common.grpc_client import open_channel
@@ -95,7 +95,7 @@ class Completion:
     finish_reason: str | None = None
     usage: pb.Usage = field(default_factory=pb.Usage)
     cache_account: pb.CacheAccount | None = None
-    logprobs: list[pb.TokenLogprobs] = field(default_factory=list)  # one per token id, when asked for
+    logprobs: list[logprobs_pb2.TokenLogprobs] = field(default_factory=list)  # one per token id, when asked for
     num_chunks: int = 0
 
     def add(self, chunk: pb.GenerateResponse) -> None:

@@ -5,6 +5,7 @@ with plain dataclasses, the worker client and server convert at the edge.
 """
 from __future__ import annotations
 
+from prefixcache.protos.common.v1 import logprobs_pb2
 from prefixcache.protos.worker.v1 import worker_pb2 as pb
 from prefixcache.services.common.step import (
     CachedRequestData,
@@ -88,12 +89,15 @@ def output_to_proto(output: StepOutput) -> pb.StepResult:
     return pb.StepResult(
         step_id=output.step_id,
         sampled_token_ids=output.sampled_token_ids,
-        logprobs={
-            request_id: pb.TokenLogprobs(
-                logprob=lp.logprob, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
-            )
-            for request_id, lp in output.logprobs.items()
-        },
+        logprobs={request_id: logprobs_to_proto(lp) for request_id, lp in output.logprobs.items()},
+    )
+
+
+def logprobs_to_proto(logprobs: TokenLogprobs) -> logprobs_pb2.TokenLogprobs:
+    """One token's log-probabilities as the message the Worker and Engine APIs share."""
+    return logprobs_pb2.TokenLogprobs(
+        logprob=logprobs.logprob,
+        top=[logprobs_pb2.TopLogprob(token_id=token_id, logprob=value) for token_id, value in logprobs.top],
     )
 
 

@@ -25,6 +25,7 @@ from prefixcache.protos.engine.v1 import engine_pb2 as pb
 from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
 from prefixcache.services.common.block_identity import BlockExtras
 from prefixcache.services.common.grpc_client import status_of
+from prefixcache.services.common.step_codec import logprobs_to_proto
 from prefixcache.services.common.tracing import SpanRegistry
 from prefixcache.services.common.step import SamplingParams
 from prefixcache.services.scheduler.engine_core import (
@@ -318,11 +319,7 @@ class _Stream:
 
     def _response(self, output: RequestOutput, text: str, reason: str | None) -> pb.GenerateResponse:
         response = pb.GenerateResponse(request_id=self._request_id, token_ids=output.new_token_ids, text=text)
-        for logprobs in output.logprobs:
-            response.logprobs.append(pb.TokenLogprobs(
-                logprob=logprobs.logprob,
-                top=[pb.TopLogprob(token_id=token_id, logprob=logprob) for token_id, logprob in logprobs.top],
-            ))
+        response.logprobs.extend(logprobs_to_proto(logprobs) for logprobs in output.logprobs)
         if output.cache_account is not None:
             response.cache_account.CopyFrom(account_to_proto(output.cache_account))
         if reason is not None:
