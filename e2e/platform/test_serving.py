@@ -93,17 +93,21 @@ def test_a_cancelled_stream_frees_its_blocks(target: str) -> None:
     assert stats.used_blocks == 0 and stats.running_requests == 0
 
 
-def test_stop_strings_end_the_text_before_the_match(target: str) -> None:
+def greedy_with_and_without(target: str, prompt: str, max_tokens: int, **option) -> tuple[Completion, Completion]:
+    """The same greedy request twice, the second with one more option: (without, with)."""
+
     async def main() -> tuple[Completion, Completion]:
         async with EngineClient(target) as engine:
-            prompt = "Count from one to ten in words, separated by commas: one, two,"
-            free = await engine.complete(build_request(text=prompt, max_tokens=24, temperature=0.0), timeout_s=120)
-            stopped = await engine.complete(
-                build_request(text=prompt, max_tokens=24, temperature=0.0, stop=["five"]), timeout_s=120
-            )
-            return free, stopped
+            plain = build_request(text=prompt, max_tokens=max_tokens, temperature=0.0)
+            varied = build_request(text=prompt, max_tokens=max_tokens, temperature=0.0, **option)
+            return await engine.complete(plain, timeout_s=120), await engine.complete(varied, timeout_s=120)
 
-    free, stopped = run(main())
+    return run(main())
+
+
+def test_stop_strings_end_the_text_before_the_match(target: str) -> None:
+    prompt = "Count from one to ten in words, separated by commas: one, two,"
+    free, stopped = greedy_with_and_without(target, prompt, 24, stop=["five"])
     assert "five" in free.text, f"the model should count past five: {free.text!r}"
     assert stopped.finish_reason == "stop"
     assert stopped.text == free.text[: free.text.index("five")]
@@ -111,16 +115,7 @@ def test_stop_strings_end_the_text_before_the_match(target: str) -> None:
 
 
 def test_logprobs_come_with_each_token_and_agree_with_greedy_choice(target: str) -> None:
-    async def main() -> tuple[Completion, Completion]:
-        async with EngineClient(target) as engine:
-            prompt = "The capital of France is"
-            plain = await engine.complete(build_request(text=prompt, max_tokens=6, temperature=0.0), timeout_s=120)
-            scored = await engine.complete(
-                build_request(text=prompt, max_tokens=6, temperature=0.0, logprobs=3), timeout_s=120
-            )
-            return plain, scored
-
-    plain, scored = run(main())
+    plain, scored = greedy_with_and_without(target, "The capital of France is", 6, logprobs=3)
     assert plain.logprobs == []  # only on request
     assert scored.token_ids == plain.token_ids  # asking for logprobs changes nothing else
     assert len(scored.logprobs) == len(scored.token_ids)

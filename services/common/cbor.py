@@ -118,7 +118,6 @@ def _fixed_width_pattern(width: int) -> re.Pattern[bytes]:
 _U32 = next(code for code in "IL" if array(code).itemsize == 4)
 _NATIVE_LITTLE_ENDIAN = sys.byteorder == "little"
 _U16_HEAD = bytes((_MAJOR_UINT << 5 | 25,))
-_SMALL_ENCODINGS = [head(_MAJOR_UINT, value) for value in range(256)]
 # Splicing values below 256 into fixed-width runs beats the vectorized path while they number at most
 # one per this many runs (a splice costs about two runs' share of the vectorized path).
 _SPARSE_SMALL_IDS = 2
@@ -177,7 +176,7 @@ def encode_uint_runs(values: Sequence[int], run_length: int) -> list[bytes]:
         encoded = runs[run]
         for small in reversed(positions):
             offset = 3 * (small - first)
-            encoded = encoded[:offset] + _SMALL_ENCODINGS[raw[4 * small + 3]] + encoded[offset + 3 :]
+            encoded = encoded[:offset] + _UINT_ENCODINGS[raw[4 * small + 3]] + encoded[offset + 3 :]
         runs[run] = encoded
     return runs
 

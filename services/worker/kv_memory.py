@@ -73,15 +73,12 @@ def cgroup_memory_headroom(cgroup_root: Path = Path("/sys/fs/cgroup"),
         _hierarchy, controllers, path = line.split(":", 2)
         relative = path.lstrip("/")
         if controllers == "":  # v2
-            candidates = [(cgroup_root / relative, "memory.max", "memory.current"),
-                          (cgroup_root, "memory.max", "memory.current")]
+            base, limit_file, usage_file = cgroup_root, "memory.max", "memory.current"
         elif "memory" in controllers.split(","):  # v1
-            base = cgroup_root / "memory"
-            candidates = [(base / relative, "memory.limit_in_bytes", "memory.usage_in_bytes"),
-                          (base, "memory.limit_in_bytes", "memory.usage_in_bytes")]
+            base, limit_file, usage_file = cgroup_root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
         else:
             continue
-        for directory, limit_file, usage_file in candidates:
+        for directory in (base / relative, base):
             try:
                 limit_text = (directory / limit_file).read_text().strip()
                 usage = int((directory / usage_file).read_text())
