@@ -61,18 +61,22 @@ class BenchOutcome:
         return sum(s.failed for r in self.results.values() for s in r.summaries.values())
 
 
-def thrash_prefixes_for(facts: EngineFacts, prefix_len: int) -> int:
-    """Half again as many prefixes as the whole KV pool holds, so a cyclic scan evicts each one
-    before its next visit."""
+def thrash_prefixes_for(facts: EngineFacts, prefix_len: int, concurrency: int) -> int:
+    """A few more prefixes than the whole KV pool holds (an eighth more, at least two).
+
+    Under LRU a cyclic scan over more items than fit misses every time: by a prefix's next visit the
+    requests in between have allocated more blocks than the pool has. At least `concurrency`
+    prefixes, so that a prefix is never revisited while its previous visit is still in flight.
+    """
     fits = facts.kv_capacity_tokens // prefix_len
-    return max(2, math.ceil(fits * 1.5) + 1)
+    return max(fits + max(2, fits // 8), concurrency)
 
 
 def resolve_options(config: BenchConfig, facts: EngineFacts) -> WorkloadOptions:
     options = replace(config.options, vocab_size=facts.vocab_size)
     if config.auto_thrash_prefixes and "thrash" in config.workloads:
-        options = replace(options, thrash_prefixes=thrash_prefixes_for(facts, options.prefix_len))
-    return options
+        options = replace(options, thrash_prefixes=thrash_prefixes_for(facts, options.prefix_len, config.concurrency))
+    return replace(options, thrash_requests=options.num_thrash_requests)
 
 
 def check_fits(requests: dict[str, list[BenchRequest]], facts: EngineFacts) -> None:
@@ -121,20 +125,21 @@ async def run_session(config: BenchConfig, note: Callable[[str], None] = _to_std
                         f"but {target} has it {'on' if facts.prefix_caching_enabled else 'off'}"
                     )
                 if outcome.options is None:  # the first mode plans; every mode sends the very same requests
-                    _plan(config, facts, outcome, note)
+                    plan_workloads(config, facts, outcome, note)
                 await _run_mode(config, endpoint, mode, owned, outcome)
     return outcome
 
 
-def _plan(config: BenchConfig, facts: EngineFacts, outcome: BenchOutcome, note: Callable[[str], None]) -> None:
+def plan_workloads(config: BenchConfig, facts: EngineFacts, outcome: BenchOutcome, note: Callable[[str], None]) -> None:
+    """Resolve the options against the engine and generate every workload's requests into `outcome`."""
     options = resolve_options(config, facts)
     outcome.requests = {name: generate(name, options) for name in config.workloads}
     check_fits(outcome.requests, facts)
-    if "thrash" in config.workloads and options.num_requests <= options.thrash_prefixes:
+    if "thrash" in config.workloads and options.num_thrash_requests <= 2 * options.thrash_prefixes:
         note(
-            f"thrash visits each of its {options.thrash_prefixes} prefixes at most once in "
-            f"{options.num_requests} requests, so nothing is evicted before reuse; raise "
-            "--num-requests or lower the KV pool (--kv-cache-memory)"
+            f"thrash sends {options.num_thrash_requests} requests over {options.thrash_prefixes} prefixes, so "
+            "first (cold) visits are at least half of its misses and `evicted` cannot dominate; raise "
+            f"--num-requests above {2 * options.thrash_prefixes} or lower the KV pool (--kv-cache-memory)"
         )
     outcome.options = options
     outcome.description = _describe(config, options, facts)

@@ -57,6 +57,11 @@ class IntRange:
         return f"{self.low}:{self.high}"
 
 
+# Unless told otherwise, thrash visits each prefix this often: the first visit is cold and every later
+# one misses as `evicted`, so evictions dominate the miss reasons.
+THRASH_VISITS = 3
+
+
 @dataclass(frozen=True, slots=True)
 class WorkloadOptions:
     num_requests: int = 32
@@ -69,14 +74,21 @@ class WorkloadOptions:
     turns: IntRange = field(default_factory=lambda: IntRange(4, 8))  # multi-turn conversation length
     few_shot_examples: int = 8
     thrash_prefixes: int = 64  # distinct prefixes; must exceed what the KV cache holds to thrash
+    thrash_requests: int | None = None  # None: THRASH_VISITS visits to each prefix
     vocab_size: int = DEFAULT_VOCAB_SIZE
     first_ordinary_token: int = DEFAULT_FIRST_ORDINARY_TOKEN
+
+    @property
+    def num_thrash_requests(self) -> int:
+        return self.thrash_requests or THRASH_VISITS * self.thrash_prefixes
 
     def __post_init__(self) -> None:
         positive = ("num_requests", "tenants", "output_len", "prefix_len", "few_shot_examples", "thrash_prefixes")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.thrash_requests is not None and self.thrash_requests < 1:
+            raise ValueError(f"thrash_requests must be >= 1, got {self.thrash_requests}")
         if not self.request_rate > 0:
             raise ValueError(f"request_rate must be > 0 (inf for no pacing), got {self.request_rate}")
         if not 0 <= self.first_ordinary_token < self.vocab_size:
@@ -191,7 +203,8 @@ def unique(options: WorkloadOptions) -> list[BenchRequest]:
 
 
 def thrash(options: WorkloadOptions) -> list[BenchRequest]:
-    """`thrash_prefixes` distinct long prefixes visited in a cycle, each with a fresh suffix.
+    """`thrash_prefixes` distinct long prefixes visited in a cycle, each with a fresh suffix;
+    `num_thrash_requests` requests in all.
 
     A cyclic scan is LRU's worst case: once the prefixes together exceed the KV cache, each one is
     evicted before its next visit, so every revisit misses with reason `evicted`.
@@ -207,7 +220,7 @@ def thrash(options: WorkloadOptions) -> list[BenchRequest]:
             tenant=i % options.tenants,
             arrival_s=0.0,
         )
-        for i in range(options.num_requests)
+        for i in range(options.num_thrash_requests)
     ]
 
 

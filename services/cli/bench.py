@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what = parser.add_argument_group("workload")
     what.add_argument("--workload", action="append", default=[], metavar="NAME",
                       help=f"workload(s) to run, repeatable or comma-separated: {', '.join(GENERATORS)} (default: all)")
-    what.add_argument("--num-requests", type=int, default=32, help="requests per workload")
+    what.add_argument("--num-requests", type=int, default=None,
+                      help="requests per workload (default: 32; thrash: three visits to each prefix)")
     what.add_argument("--concurrency", type=int, default=8, help="most requests in flight")
     what.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrival rate in requests/s (inf: all at once)")
     what.add_argument("--seed", type=int, default=0)
@@ -44,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--output-len", type=int, default=32, help="tokens generated per request (greedy, EOS ignored)")
     what.add_argument("--few-shot-examples", type=int, default=8)
     what.add_argument("--thrash-prefixes", type=int, default=None,
-                      help="distinct thrash prefixes (default: 1.5x what the engine's KV pool holds)")
+                      help="distinct thrash prefixes (default: a few more than the engine's KV pool holds)")
     what.add_argument("--warmup", type=int, default=2, help="unrecorded requests sent before each mode")
     what.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
 
@@ -64,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         options = WorkloadOptions(
-            num_requests=args.num_requests,
+            **({"num_requests": args.num_requests, "thrash_requests": args.num_requests}
+               if args.num_requests is not None else {}),
             seed=args.seed,
             tenants=args.tenants,
             request_rate=args.request_rate,

@@ -154,11 +154,12 @@ def test_cli_against_a_target_writes_table_json_and_plot(engine_server, tmp_path
     assert rc == 0
     captured = capsys.readouterr()
     table = captured.out
-    assert "thrash visits each of its 16 prefixes at most once in 12 requests" in captured.err
+    assert "thrash sends 12 requests over 12 prefixes" in captured.err  # --num-requests applies to thrash too
     assert "shared-system-prompt" in table and "TTFT p50 (ms)" in table and "hit rate" in table
     report = json.loads(out.read_text())
     assert report["config"]["engine"]["model_id"] == "recording"
-    assert report["config"]["options"]["thrash_prefixes"] == 16  # 40 blocks x 16 = 640 tokens = 10 prefixes; x1.5 + 1
+    # 40 blocks x 16 = 640 tokens = 10 prefixes, plus two (and at least the concurrency, 8)
+    assert report["config"]["options"]["thrash_prefixes"] == 12
     mode = report["workloads"]["shared-system-prompt"]["cache"]
     for key in ("ttft_ms", "itl_ms", "e2e_ms"):
         assert set(mode[key]) == {"p50", "p90", "p99"}

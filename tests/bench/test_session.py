@@ -1,8 +1,17 @@
 """Session settings: workload selection, thrash sizing and config checks (no engine needed)."""
+from dataclasses import replace
+
 import pytest
 
 from prefixcache.services.bench.engine import EngineFacts
-from prefixcache.services.bench.session import BenchConfig, parse_workloads, resolve_options, thrash_prefixes_for
+from prefixcache.services.bench.session import (
+    BenchConfig,
+    BenchOutcome,
+    parse_workloads,
+    plan_workloads,
+    resolve_options,
+    thrash_prefixes_for,
+)
 from prefixcache.services.bench.workloads import GENERATORS, WorkloadOptions
 
 FACTS = EngineFacts("m", "float32", vocab_size=50_000, max_model_len=8192, block_size=16, num_kv_blocks=1456,
@@ -17,12 +26,26 @@ def test_workload_selection():
 
 
 def test_thrash_is_sized_from_the_kv_pool():
-    # 1,456 blocks x 16 = 23,296 tokens = 23 prefixes of 1,000; half again as many, plus one.
-    assert thrash_prefixes_for(FACTS, 1000) == 36
+    # 1,456 blocks x 16 = 23,296 tokens = 23 prefixes of 1,000; two more (an eighth of 23 rounds down to 2).
+    assert thrash_prefixes_for(FACTS, 1000, concurrency=8) == 25
+    assert thrash_prefixes_for(FACTS, 100, concurrency=8) == 232 + 29  # an eighth more
+    assert thrash_prefixes_for(FACTS, 20_000, concurrency=8) == 8  # never fewer than requests in flight
     options = resolve_options(BenchConfig(workloads=("thrash",), options=WorkloadOptions()), FACTS)
-    assert (options.thrash_prefixes, options.vocab_size) == (36, 50_000)
-    fixed = BenchConfig(workloads=("thrash",), options=WorkloadOptions(thrash_prefixes=5), auto_thrash_prefixes=False)
-    assert resolve_options(fixed, FACTS).thrash_prefixes == 5
+    assert (options.thrash_prefixes, options.vocab_size) == (25, 50_000)
+    assert options.thrash_requests == 75  # three visits each: two of every three misses are `evicted`
+    fixed = BenchConfig(workloads=("thrash",), options=WorkloadOptions(thrash_prefixes=5, thrash_requests=7),
+                        auto_thrash_prefixes=False)
+    assert (resolve_options(fixed, FACTS).thrash_prefixes, resolve_options(fixed, FACTS).thrash_requests) == (5, 7)
+
+
+def test_a_thrash_run_too_short_for_evictions_to_dominate_is_noted():
+    notes = []
+    config = BenchConfig(workloads=("thrash",), options=WorkloadOptions(thrash_requests=50))
+    plan_workloads(config, FACTS, BenchOutcome({}), notes.append)
+    assert len(notes) == 1 and "raise --num-requests above 50" in notes[0]
+    notes.clear()
+    plan_workloads(replace(config, options=WorkloadOptions(thrash_requests=51)), FACTS, BenchOutcome({}), notes.append)
+    assert notes == []
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -37,7 +37,7 @@ def test_same_seed_same_requests_other_seed_other_tokens(workload):
 def test_counts_ids_and_token_range(workload):
     options = replace(SMALL, vocab_size=1000, first_ordinary_token=17, tenants=3)
     requests = generate(workload, options)
-    assert len(requests) == options.num_requests
+    assert len(requests) == (options.num_requests if workload != "thrash" else 3 * options.thrash_prefixes)
     assert len({r.request_id for r in requests}) == len(requests)
     assert all(r.max_tokens == options.output_len for r in requests)
     assert {r.tenant for r in requests} == {0, 1, 2}
@@ -94,8 +94,9 @@ def test_unique_prompts_share_nothing():
 def test_thrash_cycles_through_distinct_prefixes():
     requests = generate("thrash", SMALL)
     prefixes = [r.prompt_token_ids[:64] for r in requests]
-    assert len(set(prefixes)) == 3
+    assert len(set(prefixes)) == 3 and len(requests) == 9  # three visits each, unless told otherwise
     assert all(prefixes[i] == prefixes[i % 3] for i in range(len(prefixes)))
+    assert len(generate("thrash", replace(SMALL, thrash_requests=4))) == 4
 
 
 def test_poisson_arrivals():
