@@ -126,7 +126,7 @@ async def run_session(config: BenchConfig, note: Callable[[str], None] = _to_std
                     )
                 if outcome.options is None:  # the first mode plans; every mode sends the very same requests
                     plan_workloads(config, facts, outcome, note)
-                await _run_mode(config, endpoint, mode, owned, outcome)
+                await _run_mode(config, endpoint, mode, owned, outcome, note)
     return outcome
 
 
@@ -145,12 +145,14 @@ def plan_workloads(config: BenchConfig, facts: EngineFacts, outcome: BenchOutcom
     outcome.description = _describe(config, options, facts)
 
 
-async def _run_mode(config: BenchConfig, endpoint: EngineEndpoint, mode: str, owned: bool, outcome: BenchOutcome) -> None:
+async def _run_mode(config: BenchConfig, endpoint: EngineEndpoint, mode: str, owned: bool, outcome: BenchOutcome,
+                    note: Callable[[str], None]) -> None:
     await _warm_up(endpoint, outcome.options, config.warmup_requests)
     reset = owned if config.reset_between_workloads is None else config.reset_between_workloads
     for name, requests in outcome.requests.items():
-        if reset:
-            await endpoint.reset_prefix_cache()
+        if reset and not await endpoint.reset_prefix_cache():
+            note(f"the engine refused to reset its prefix cache (other requests hold blocks): {name} ({mode}) "
+                 "starts with whatever is cached")
         bar = ProgressBar(f"{name} ({mode})", len(requests)) if config.show_progress else None
         run = await drive(
             endpoint, requests, config.concurrency, TenantSalts(outcome.options.tenants),

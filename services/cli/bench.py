@@ -8,14 +8,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import math
 import sys
 
 from prefixcache.services.bench.workloads import GENERATORS, IntRange, WorkloadOptions
 
 
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows an option's default unless its help already says it, or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default" in (action.help or "") or action.default in (None, False, [], argparse.SUPPRESS):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    parser.formatter_class = _DefaultsHelpFormatter
     where = parser.add_argument_group("where")
     where.add_argument("--target", metavar="HOST:PORT", help="a running Engine endpoint (default: start a local platform)")
     where.add_argument("--compare-no-cache", action="store_true", help="also run with prefix caching off and print ratios")
@@ -56,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # say so before a long run, not after
+        print("prefixcache bench: --plot needs matplotlib (pip install 'prefixcache[bench]')", file=sys.stderr)
+        return 2
     # Imported here so `prefixcache bench --help` stays instant.
     import grpc
 

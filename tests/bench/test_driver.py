@@ -4,6 +4,7 @@ A real engine cannot show how many streams a client keeps open or in which order
 turns arrive, so this in-process Engine records both; the e2e test runs against the real platform.
 """
 import asyncio
+import importlib.util
 import json
 import threading
 import time
@@ -16,6 +17,7 @@ import pytest
 from prefixcache.protos.engine.v1 import engine_pb2, engine_pb2_grpc
 from prefixcache.services.bench.driver import TenantSalts, drive
 from prefixcache.services.bench.engine import EngineEndpoint
+from prefixcache.services.bench.session import BenchConfig, run_session
 from prefixcache.services.bench.workloads import IntRange, WorkloadOptions, generate
 from prefixcache.services.cli import main as cli
 
@@ -30,6 +32,7 @@ class RecordingEngine(engine_pb2_grpc.EngineServicer):
         self.started, self.finished, self.salts = [], [], []
         self.cached_blocks = set()
         self.evictions = 0
+        self.refuse_reset = False  # as an engine does while other requests hold blocks
         self.lock = threading.Lock()
 
     def Generate(self, request, context):
@@ -66,6 +69,8 @@ class RecordingEngine(engine_pb2_grpc.EngineServicer):
         return engine_pb2.CacheStats(block_size=BLOCK, evictions=self.evictions, prefix_caching_enabled=True)
 
     def ResetPrefixCache(self, request, context):
+        if self.refuse_reset:
+            return engine_pb2.ResetPrefixCacheResponse(reset=False)
         self.cached_blocks.clear()
         return engine_pb2.ResetPrefixCacheResponse(reset=True)
 
@@ -127,6 +132,19 @@ def test_tenants_get_distinct_secret_salts(engine_server):
     assert "TenantSalts(3 tenants)" == repr(TenantSalts(3))
 
 
+def test_a_refused_cache_reset_is_reported(engine_server):
+    servicer, target = engine_server
+    config = BenchConfig(workloads=("unique", "few-shot"), options=replace(OPTIONS, num_requests=2), target=target,
+                         reset_between_workloads=True, warmup_requests=0, show_progress=False)
+    notes = []
+    asyncio.run(run_session(config, note=notes.append))
+    assert notes == []
+    servicer.refuse_reset = True
+    asyncio.run(run_session(config, note=notes.append))
+    assert [note.split(":")[1].split("(")[0].strip() for note in notes] == ["unique", "few-shot"]
+    assert all("refused to reset its prefix cache" in note for note in notes)
+
+
 def test_poisson_arrivals_are_respected(engine_server):
     _, target = engine_server
     requests = generate("unique", replace(OPTIONS, num_requests=6, request_rate=20.0))
@@ -176,3 +194,12 @@ def test_cli_rejects_bad_input(engine_server, capsys):
     assert "no_cache_target" in capsys.readouterr().err
     assert cli.main(["bench", "--target", target, "--prefix-len", "5000", "--no-progress", "--warmup", "0"]) == 2
     assert "max_model_len" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_fails_before_the_run(engine_server, capsys, monkeypatch, tmp_path):
+    servicer, target = engine_server
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+    assert cli.main(["bench", "--target", target, "--plot", str(tmp_path / "p.png"), "--no-progress"]) == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
+    assert servicer.started == []  # nothing was sent
