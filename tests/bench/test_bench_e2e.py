@@ -109,3 +109,19 @@ def test_cli_compare_no_cache_reports_ratios(engines, tmp_path, capsys):
     assert cli.main(["bench", "--target", engines["no_cache"], "--workload", "unique", "--num-requests", "1",
                      "--no-progress"]) == 2
     assert "prefix caching on" in capsys.readouterr().err
+
+
+def test_cli_without_a_target_starts_a_fresh_platform_per_mode(tmp_path, capsys):
+    """The default path: no --target, so each mode gets its own local platform (the no-cache one
+    started with prefix caching off), which the benchmark stops when the mode is done."""
+    out = tmp_path / "bench.json"
+    rc = cli.main(["bench", "--compare-no-cache", "--kv-cache-memory", "18MiB", "--workload", "few-shot",
+                   "--num-requests", "3", "--concurrency", "1", "--prefix-len", "64", "--suffix-len", "8:16",
+                   "--output-len", "3", "--warmup", "1", "--json", str(out), "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    document = json.loads(out.read_text())
+    assert document["config"]["target"] == "local" and document["config"]["modes"] == ["cache", "no_cache"]
+    report = document["workloads"]["few-shot"]
+    # The owned platform's cache is reset after the warm-up, so only the first request misses.
+    assert report["cache"]["cached_tokens"] == 2 * 64 and report["cache"]["miss_reasons"]["cold"] == 1
+    assert report["no_cache"]["cached_tokens"] == 0 and report["no_cache"]["miss_reasons"] == {"disabled": 3}
