@@ -34,6 +34,10 @@ def test_salt_lora_and_mm_options():
     result = block_hashes("--block-size", "4", "--model-id", salted["model_id"],
                           "--cache-salt", salted["extras"]["cache_salt"], stdin=json.dumps(salted["tokens"]))
     assert result.stdout.splitlines() == salted["hashes"]
+    # A name alone is an adapter without a digest (null in the spec), as the engine hashes it.
+    result = block_hashes("--block-size", "4", "--model-id", "m", "--lora", "adapter", stdin="[1,2,3,4]")
+    expected = BlockHasher(4, "sha256", "m").hash_blocks([1, 2, 3, 4], BlockExtras(lora_name="adapter"))
+    assert result.stdout.splitlines() == [h.hex() for h in expected]
     result = block_hashes("--block-size", "4", "--model-id", "m", "--mm", "img:5f3c:2:5", stdin="[1,2,3,4,5,6,7,8]")
     expected = BlockHasher(4, "sha256", "m").hash_blocks(list(range(1, 9)),
                                                           BlockExtras(mm_items=(MultiModalItem("img:5f3c", 2, 5),)))
@@ -55,7 +59,8 @@ def test_bad_input_exits_2_with_a_message_naming_the_problem():
         (("--model-id", "m"), "[1, -2]", "token_ids[1]"),
         (("--model-id", "m"), "{\"a\": 1}", "JSON array"),
         (("--model-id", "m"), "not json", "not JSON"),
-        (("--model-id", "m", "--lora", "adapter"), "[1]", "NAME:DIGEST"),
+        (("--model-id", "m", "--lora", "adapter:"), "[1]", "NAME or NAME:DIGEST"),
+        (("--model-id", "m", "--lora", "adapter:xyz"), "[1]", "hex"),
         (("--model-id", "m", "--mm", "img:x:3"), "[1]", "--mm"),
     ]
     for args, stdin, message in cases:

@@ -18,7 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hash-algo", choices=HASH_ALGOS, default="sha256")
     parser.add_argument("--model-id", required=True, help="the model id the engine was started with")
     parser.add_argument("--cache-salt", help="the request's cache salt (a secret: prefer a private shell)")
-    parser.add_argument("--lora", metavar="NAME:DIGEST", help="LoRA adapter name and its weights digest in hex")
+    parser.add_argument("--lora", metavar="NAME[:DIGEST]",
+                        help="LoRA adapter name and, if the deployment has one, its weights digest in hex")
     parser.add_argument("--mm", metavar="ID:OFFSET:LENGTH", action="append", default=[],
                         help="a multimodal item (repeatable, in prompt order)")
 
@@ -57,8 +58,10 @@ def _parse_lora(spec: str | None) -> tuple[str | None, bytes | None]:
     if spec is None:
         return None, None
     name, separator, digest = spec.rpartition(":")
-    if not separator or not name:
-        raise ValueError(f"--lora must be NAME:DIGEST, got {spec!r}")
+    if not separator:  # a name alone: an adapter without a digest, as the engine hashes it today
+        return spec, None
+    if not name or not digest:
+        raise ValueError(f"--lora must be NAME or NAME:DIGEST, got {spec!r}")
     try:
         return name, bytes.fromhex(digest)
     except ValueError:

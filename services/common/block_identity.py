@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -145,12 +146,11 @@ def xxhash_seed_from_env(pythonhashseed: str | None) -> int | None:
     """
     if pythonhashseed is None or pythonhashseed in ("", "random"):
         return None
-    try:
-        value = int(pythonhashseed, 10)
-    except ValueError:
-        raise ValueError(f"PYTHONHASHSEED must be 'random' or an integer, got {pythonhashseed!r}") from None
-    if value < 0:
-        raise ValueError(f"PYTHONHASHSEED must be >= 0, got {value}")
+    # ASCII digits only: int() would also take signs, spaces, underscores and other scripts' digits,
+    # which another implementation of the spec need not parse alike.
+    if not re.fullmatch(r"[0-9]+", pythonhashseed):
+        raise ValueError(f"PYTHONHASHSEED must be 'random' or a decimal integer >= 0, got {pythonhashseed!r}")
+    value = int(pythonhashseed)
     digest = hashlib.sha256(cbor.encode([XXHASH_SEED_DOMAIN, value])).digest()
     return int.from_bytes(digest[:8], "big")
 

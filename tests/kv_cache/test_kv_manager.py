@@ -277,6 +277,10 @@ def test_bad_input_raises_and_leaves_state_alone():
         m.allocate_slots(b, 4, [1])  # block 1 is not b's first block
     with pytest.raises(ValueError, match="stale lookup"):
         m.allocate_slots(b, 4, [99])
+    bad_token = KVRequest("bad", [1, 2, 3, -1, 5])  # rejected by hashing, which runs before any change
+    with pytest.raises(ValueError, match="token ids"):
+        m.allocate_slots(bad_token, 5)
+    assert m.get_block_ids("bad") == []
     assert (m.free_block_ids(), m.stats()) == before
     m.allocate_slots(b, 8)
     with pytest.raises(ValueError, match="first allocation"):

@@ -185,6 +185,9 @@ class KVCacheManager:
             self._check_hits(request, held, hits)
         num_held = len(held) if held is not None else 0
         num_tokens_after = request.num_computed_tokens + len(hits) * block_size + num_new_tokens
+        num_full_after = min(num_tokens_after, len(request.token_ids)) // block_size
+        if self.enable_caching and num_full_after > len(request.block_hashes):
+            self._update_hashes(request)  # before any change: hashing rejects bad token ids
         num_needed = max(-(-num_tokens_after // block_size) - num_held - len(hits), 0)
         # Free hit blocks are counted as free but cannot be handed out: they are being reused.
         num_free_hits = list(map(pool.ref_counts.__getitem__, hits)).count(0)
@@ -200,7 +203,7 @@ class KVCacheManager:
             self._hits += len(hits) * block_size
         held.extend(new_blocks)
         if self.enable_caching:
-            self._cache_full_blocks(request, held, min(num_tokens_after, len(request.token_ids)) // block_size)
+            self._cache_full_blocks(request, held, num_full_after)
         return new_blocks
 
     def _check_hits(self, request: KVRequest, held: list[int] | None, hits: list[int]) -> None:
