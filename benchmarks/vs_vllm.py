@@ -39,7 +39,7 @@ from prefixcache.services.bench.driver import TenantSalts, drive
 from prefixcache.services.bench.local_platform import LocalSettings
 from prefixcache.services.bench.metrics import RequestRecord, RunSummary, summarize
 from prefixcache.services.bench.report import CACHE, ProgressBar, render_systems
-from prefixcache.services.bench.session import BenchConfig, run_session
+from prefixcache.services.bench.session import BenchConfig, parse_workloads, run_session
 from prefixcache.services.bench.workloads import BenchRequest, IntRange, WorkloadOptions
 from prefixcache.services.cli.launcher import free_port
 from prefixcache.services.common.model_store import ensure_default_model
@@ -168,6 +168,16 @@ async def run_vllm(endpoint: VllmEndpoint, requests: dict[str, list[BenchRequest
     return summaries
 
 
+def throughput_verdict(ours: dict[str, RunSummary], theirs: dict[str, RunSummary]) -> str:
+    """One line per workload: our request throughput over vLLM's, and whether the goal (ahead) is met."""
+    lines = ["requests/s, prefixcache / vLLM (goal: ahead on every workload):"]
+    for name, summary in ours.items():
+        if theirs[name].requests_per_s:
+            ratio = summary.requests_per_s / theirs[name].requests_per_s
+            lines.append(f"  {name:<22}{ratio:.2f}x  {'ahead' if ratio > 1 else 'behind'}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON, help="python of the vLLM venv")
@@ -194,7 +204,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
 
-    workloads = tuple(args.workload) or WORKLOADS
+    try:
+        workloads = parse_workloads(args.workload, WORKLOADS)
+    except ValueError as error:
+        print(f"vs_vllm: {error}", file=sys.stderr)
+        return 2
     options = WorkloadOptions(num_requests=args.num_requests, seed=args.seed, tenants=args.tenants,
                               output_len=args.output_len, prefix_len=args.prefix_len, suffix_len=args.suffix_len,
                               turns=args.turns)
@@ -214,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     summaries = {"vllm": theirs, "prefixcache": {n: r.summaries[CACHE] for n, r in ours.results.items()}}
     print(f"engine: {ours.description.get('engine')}; vLLM dtype {args.dtype}")
     print(render_systems(summaries, baseline="vllm"))
+    print(throughput_verdict(summaries["prefixcache"], theirs))
     if args.json:
         document = {"config": ours.description,
                     "systems": {s: {w: summary.to_json() for w, summary in per.items()} for s, per in summaries.items()}}
