@@ -136,7 +136,8 @@ class ModelRunner:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata, self.backend)
             logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
         states = [self.requests[request_id] for request_id in batch.sampled_requests]
-        sampled = sample(logits, [state.sampling for state in states], [state.generator for state in states])
+        sampled = sample(logits, [state.sampling for state in states], [state.generator for state in states],
+                         [len(state.token_ids) for state in states])
         for request_id, num_tokens in step.num_scheduled_tokens.items():
             self.requests[request_id].num_computed_tokens += num_tokens
         for request_id, state, token in zip(batch.sampled_requests, states, sampled):

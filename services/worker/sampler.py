@@ -1,12 +1,15 @@
 """Pick the next token of each request from its logits.
 
 Greedy when temperature is 0; otherwise temperature, then top-k, then top-p (nucleus) filtering and
-a draw from the request's own generator. A seeded request owns a generator seeded once, so its
-tokens do not depend on what else shares the batch. Logprobs, when asked for, are those of the
-model's raw distribution (before temperature and filtering), as OpenAI-style APIs report them.
+a draw from the request's own generator. A seeded request's draw for sequence position p comes from
+its generator reseeded with `position_seed(seed, p)`: its tokens depend on neither what shares the
+batch nor preemption (a preempted request comes back to the worker as a new one, and a generator
+seeded once would replay its first draws). Logprobs, when asked for, are those of the model's raw
+distribution (before temperature and filtering), as OpenAI-style APIs report them.
 """
 from __future__ import annotations
 
+import hashlib
 import secrets
 from dataclasses import dataclass
 
@@ -30,12 +33,19 @@ def validate_sampling(params: SamplingParams) -> None:
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
-    """The request's own random stream: seeded when asked, otherwise from fresh entropy; None if greedy."""
+    """The request's own random stream (None if greedy): from fresh entropy, or for a seeded request
+    reseeded before each draw (see `position_seed`)."""
     if params.temperature == 0:
         return None
     generator = torch.Generator(device=device)
     generator.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
     return generator
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of a seeded request's draw at sequence `position` (a 64-bit mix of both)."""
+    mixed = hashlib.blake2b(seed.to_bytes(8, "little") + position.to_bytes(8, "little"), digest_size=8)
+    return int.from_bytes(mixed.digest(), "little")
 
 
 @dataclass(frozen=True)
@@ -44,12 +54,17 @@ class SampledToken:
     logprobs: TokenLogprobs | None
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[SampledToken]:
-    """logits [N, vocab] float32, one row per request → one token per request."""
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           positions: list[int]) -> list[SampledToken]:
+    """logits [N, vocab] float32, one row per request → one token per request.
+
+    `positions[i]` is the sequence position request i's token will take (its current length).
+    """
     token_ids = logits.argmax(dim=-1)
-    for row, (request_params, generator) in enumerate(zip(params, generators, strict=True)):
+    for row, (request_params, generator, position) in enumerate(zip(params, generators, positions, strict=True)):
         if request_params.temperature > 0:
+            if request_params.seed is not None:
+                generator.manual_seed(position_seed(request_params.seed, position))
             token_ids[row] = _draw(logits[row], request_params, generator)
     chosen = token_ids.tolist()
     return [

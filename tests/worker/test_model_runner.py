@@ -100,6 +100,35 @@ def test_seeded_sampling_does_not_depend_on_the_batch(runner: ModelRunner) -> No
     assert len(set(alone)) > 1
 
 
+def test_seeded_sampling_survives_preemption(runner: ModelRunner) -> None:
+    """A preempted request comes back as a new one with its generated tokens in its prompt; its
+    seeded draws continue where they were instead of replaying the first ones."""
+    seeded = SamplingParams(temperature=1.0, seed=77)
+    blocks = list(range(8))
+
+    def generate(preempt_after: int | None) -> list[int]:
+        runner.initialize_kv_cache(num_blocks=32, block_size=BLOCK_SIZE)
+        step = iter(range(100))
+        out = runner.execute(SchedulerStep(next(step), [new_request("a", PROMPT, blocks, sampling=seeded)], [],
+                                           {"a": len(PROMPT)}))
+        generated = [out.sampled_token_ids["a"]]
+        while len(generated) < 12:
+            computed = len(PROMPT) + len(generated) - 1
+            if len(generated) == preempt_after:
+                runner.execute(SchedulerStep(next(step), finished_request_ids=["a"]))
+                tokens = PROMPT + generated
+                out = runner.execute(SchedulerStep(next(step), [new_request("a", tokens, blocks, sampling=seeded)], [],
+                                                   {"a": len(tokens)}))
+            else:
+                out = runner.execute(SchedulerStep(next(step), [], [CachedRequestData("a", [], computed)], {"a": 1}))
+            generated.append(out.sampled_token_ids["a"])
+        return generated
+
+    uninterrupted = generate(None)
+    assert generate(5) == uninterrupted
+    assert len(set(uninterrupted)) > 3  # really sampled, not collapsed onto one token
+
+
 def test_finished_requests_are_forgotten_and_ids_can_return(runner: ModelRunner) -> None:
     runner.execute(SchedulerStep(0, [new_request("a", PROMPT, [0, 1])], [], {"a": 7}))
     assert "a" in runner.requests

@@ -16,12 +16,12 @@ LOGITS = PROBABILITIES.log()[None, :]
 
 def draws(params: SamplingParams, count: int = 200, logits: torch.Tensor = LOGITS) -> list[int]:
     generator = make_generator(params, "cpu")
-    return [sample(logits, [params], [generator])[0].token_id for _ in range(count)]
+    return [sample(logits, [params], [generator], [position])[0].token_id for position in range(count)]
 
 
 def test_greedy_takes_the_argmax_of_each_row() -> None:
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
-    tokens = sample(logits, [SamplingParams()] * 4, [None] * 4)
+    tokens = sample(logits, [SamplingParams()] * 4, [None] * 4, [7] * 4)
     assert [token.token_id for token in tokens] == logits.argmax(dim=-1).tolist()
     assert all(token.logprobs is None for token in tokens)
 
@@ -30,6 +30,14 @@ def test_same_seed_same_tokens_other_seed_other_tokens() -> None:
     params = SamplingParams(temperature=1.0, seed=1234)
     assert draws(params) == draws(params)
     assert draws(params) != draws(SamplingParams(temperature=1.0, seed=4321))
+
+
+def test_a_seeded_draw_depends_only_on_its_position() -> None:
+    params = SamplingParams(temperature=1.0, seed=1234)
+    in_order = draws(params, count=50)
+    # A fresh generator (as after a preemption) drawing position 30 gives position 30's token.
+    again = [sample(LOGITS, [params], [make_generator(params, "cpu")], [p])[0].token_id for p in range(30, 50)]
+    assert again == in_order[30:]
 
 
 def test_temperature_sampling_follows_the_distribution() -> None:
@@ -49,7 +57,7 @@ def test_top_k_and_top_p_restrict_the_support() -> None:
 
 def test_logprobs_are_those_of_the_raw_distribution() -> None:
     params = SamplingParams(temperature=2.0, seed=9, logprobs=3)
-    [token] = sample(LOGITS, [params], [make_generator(params, "cpu")])
+    [token] = sample(LOGITS, [params], [make_generator(params, "cpu")], [0])
     assert token.logprobs is not None
     assert token.logprobs.logprob == pytest.approx(math.log(PROBABILITIES[token.token_id]), abs=1e-5)
     assert [token_id for token_id, _ in token.logprobs.top] == [0, 1, 2]
