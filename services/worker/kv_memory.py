@@ -19,8 +19,9 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 _BUDGET = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def kv_cache_budget_bytes(spec: str, device: torch.device | str = "cpu") -> int:
-    """Bytes for the KV cache from `spec` (see the module docstring); ValueError naming the value if malformed."""
+def parse_kv_cache_memory(spec: str) -> int | float:
+    """`spec` as bytes (int) or as a fraction of free device memory (float in (0, 1]); ValueError
+    naming the value if malformed. Cheap: check a flag with it before loading a model."""
     match = _BUDGET.match(spec)
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(f"kv cache memory {spec!r} must be bytes (e.g. 2GiB, 512MiB, 1073741824) "
@@ -29,11 +30,17 @@ def kv_cache_budget_bytes(spec: str, device: torch.device | str = "cpu") -> int:
     if unit == "" and "." in match.group(1):
         if not 0 < number <= 1:
             raise ValueError(f"kv cache memory fraction {spec!r} must be in (0, 1]")
-        return int(number * free_device_memory(torch.device(device)))
+        return number
     budget = int(number * _UNITS[unit])
     if budget <= 0:
         raise ValueError(f"kv cache memory {spec!r} must be positive")
     return budget
+
+
+def kv_cache_budget_bytes(spec: str, device: torch.device | str = "cpu") -> int:
+    """Bytes for the KV cache from `spec` (see the module docstring), a fraction taken of what is free now."""
+    budget = parse_kv_cache_memory(spec)
+    return int(budget * free_device_memory(torch.device(device))) if isinstance(budget, float) else budget
 
 
 def free_device_memory(device: torch.device) -> int:

@@ -56,6 +56,10 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         architecture = _architecture(raw, source)
+        if quantization := raw.get("quantization_config"):
+            method = quantization.get("quant_method", "unknown") if isinstance(quantization, dict) else quantization
+            raise ValueError(f"{source}: quantized checkpoints ({method}) are not supported; "
+                             "use float32, float16 or bfloat16 weights")
         hidden_size = _positive_int(raw, "hidden_size", source)
         num_heads = _positive_int(raw, "num_attention_heads", source)
         num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)

@@ -114,6 +114,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
+    from prefixcache.services.worker.kv_memory import parse_kv_cache_memory
+
+    try:  # a typo should not cost a model load first
+        parse_kv_cache_memory(args.kv_cache_memory)
+    except ValueError as error:
+        log.error("--kv-cache-memory: %s", error)
+        return 2
     servicer = WorkerServicer()
 
     async def load_model() -> None:

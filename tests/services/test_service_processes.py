@@ -49,3 +49,14 @@ def test_service_images_import_only_what_they_install(module: str, forbidden: tu
     probe = f"import sys, {module}; print(','.join(m for m in {forbidden!r} if m in sys.modules))"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "", f"{module} imported {result.stdout.strip()}"
+
+
+def test_worker_refuses_a_bad_kv_cache_memory_before_loading_a_model(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "prefixcache.services.cli.main", "worker", "--port", "0", "--kv-cache-memory", "12 apples",
+         "--model-dir", str(tmp_path / "no-such-model")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert "--kv-cache-memory" in result.stderr and "12 apples" in result.stderr
+    assert "no-such-model" not in result.stderr  # it never got as far as the model

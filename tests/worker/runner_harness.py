@@ -102,26 +102,35 @@ class HandScheduler:
 
 
 def save_tiny_checkpoint(kind: str, out_dir: Path, *, max_shard_size: str | None = None) -> Path:
-    """A randomly initialised Llama ("llama", "llama3" rope scaling) or Qwen2 (QKV bias) checkpoint."""
+    """A randomly initialised checkpoint: "llama" (tied), "llama3" (its rope scaling), "llama-linear"
+    (linear rope scaling), "mistral", or "qwen2" (QKV bias)."""
     common = dict(vocab_size=320, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
                   rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=1)
-    torch.manual_seed({"llama": 1, "llama3": 2, "qwen2": 3}[kind])
+    torch.manual_seed({"llama": 1, "llama3": 2, "qwen2": 3, "mistral": 4, "llama-linear": 5}[kind])
     if kind == "qwen2":
         config = transformers.Qwen2Config(**common, tie_word_embeddings=False,
                                           rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
         model = transformers.Qwen2ForCausalLM(config)
+    elif kind == "mistral":
+        config = transformers.MistralConfig(**common, tie_word_embeddings=False, sliding_window=None,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+        model = transformers.MistralForCausalLM(config)
     else:
         rope = {"rope_type": "default", "rope_theta": 10_000.0}
         if kind == "llama3":
             rope = {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        elif kind == "llama-linear":
+            rope = {"rope_type": "linear", "rope_theta": 10_000.0, "factor": 4.0}
         config = transformers.LlamaConfig(**common, tie_word_embeddings=kind == "llama", rope_parameters=rope)
         model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():  # random norms too, so a norm-weight mix-up cannot hide behind all-ones
+    with torch.no_grad():  # random norms and biases, so a mix-up cannot hide behind all-ones or zeros
         for name, parameter in model.named_parameters():
             if "norm" in name:
                 parameter.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                parameter.normal_(0.0, 0.5)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)
     return out_dir

@@ -54,6 +54,7 @@ def test_derived_defaults() -> None:
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks low_freq_factor"),
         ({"rope_scaling": {"rope_type": "linear"}}, "needs 'factor'"),
+        ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, r"quantized checkpoints \(gptq\)"),
     ],
 )
 def test_unservable_configs_say_what_is_wrong(changes: dict[str, object], message: str) -> None:

@@ -98,6 +98,15 @@ def test_tiny_checkpoint_logits_match_transformers(tiny_model) -> None:
         assert difference <= LOGITS_TOLERANCE
 
 
+@pytest.mark.parametrize("kind", ["mistral", "llama-linear"])
+def test_more_tiny_architectures_logits_match_transformers(kind: str, tmp_path: Path) -> None:
+    model_dir = save_tiny_checkpoint(kind, tmp_path)
+    reference, runner = load_reference(model_dir), ModelRunner(model_dir)
+    for prompt in sample_prompts(runner.config.vocab_size):
+        difference = (runner_logits(runner, prompt, block_size=4) - reference_logits(reference, prompt)).abs().max()
+        assert difference <= LOGITS_TOLERANCE
+
+
 def test_tiny_checkpoint_greedy_matches_transformers(tiny_model) -> None:
     model_dir, reference = tiny_model
     runner = ModelRunner(model_dir)
