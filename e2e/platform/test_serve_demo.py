@@ -1,9 +1,12 @@
 """`prefixcache serve --demo`, the README's first command: three processes, two requests, a cache hit."""
 from __future__ import annotations
 
+import json
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,3 +30,39 @@ def test_serve_demo_shows_the_second_requests_cached_tokens(tmp_path: Path) -> N
     assert cached[1] % 16 == 0 and cached[1] > 0.9 * prompts[1]
     assert result.stdout.rstrip().endswith(f"the second request's cached tokens: {cached[1]}")
     assert result.stderr == ""  # every service exited 0 after the demo
+
+
+def test_sigterm_to_serve_past_the_grace_aborts_cleanly_and_exits_0(tmp_path: Path) -> None:
+    """A request that outlasts the grace period is aborted with a final message, and every service
+    still exits 0: the launcher gives each one its grace plus a margin before killing it."""
+    port = free_port()
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "prefixcache.services.cli.main", "serve", "--port", str(port), "--grace", "2",
+         "--kv-cache-memory", "256MiB", "--log-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert "Engine API serving" in _line_containing(serve.stdout, "Engine API serving", timeout_s=300)
+        generate = subprocess.Popen(
+            [sys.executable, "-m", "prefixcache.services.cli.main", "generate", "--target", f"127.0.0.1:{port}",
+             "--json", "--max-tokens", "3000", "--ignore-eos", "--temperature", "0", "Count to a million."],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        time.sleep(8)  # well into the stream (the model writes ~20 tokens a second here)
+        serve.send_signal(signal.SIGTERM)
+        out, err = generate.communicate(timeout=120)
+        assert serve.wait(timeout=60) == 0, serve.stderr.read()
+    finally:
+        serve.kill()
+    completion = json.loads(out)
+    assert completion["finish_reason"] == "abort", err
+    assert 0 < completion["usage"]["completion_tokens"] < 3000
+    assert serve.stderr.read() == ""  # no service exited with an error
+
+
+def _line_containing(stream, text: str, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    for line in stream:
+        if text in line or time.monotonic() > deadline:
+            return line
+    return ""

@@ -135,6 +135,9 @@ BAD_REQUESTS = {
     "max_tokens zero": (dict(text="hi", max_tokens=0), "sampling.max_tokens"),
     "max_tokens negative": (dict(text="hi", max_tokens=-3), "sampling.max_tokens"),
     "negative temperature": (dict(text="hi", temperature=-0.5), "sampling.temperature"),
+    # NaN passes `< 0`; the worker would refuse the step, which must never look like a lost worker.
+    "NaN temperature": (dict(text="hi", temperature=float("nan")), "sampling.temperature"),
+    "prompt alone at the maximum length": (dict(token_ids=[1] * 8192), "token_ids"),
     "top_p zero": (dict(text="hi", top_p=0.0), "sampling.top_p"),
     "top_p above one": (dict(text="hi", top_p=1.5), "sampling.top_p"),
     "more than 20 logprobs": (dict(text="hi", logprobs=21), "sampling.logprobs"),

@@ -18,6 +18,9 @@ from pathlib import Path
 from prefixcache.services.common.grpc_client import wait_until_serving
 
 LOOPBACK = "127.0.0.1"
+# Each service bounds its own shutdown by the grace it was given, then needs a little more to close
+# aborted streams (their final message) and its server: only this much later is it killed.
+SHUTDOWN_MARGIN_S = 10.0
 
 
 def free_port() -> int:
@@ -162,14 +165,15 @@ class LocalPlatform:
         return next((s for s in self.services if not s.running), None)
 
     def stop(self, grace_s: float = 15.0) -> dict[str, int | None]:
-        """SIGTERM the scheduler first (it drains), then the others; exit status per service."""
+        """SIGTERM the scheduler first (it drains within `grace_s`), then the others; exit status per
+        service. A service still running `SHUTDOWN_MARGIN_S` after its grace is killed (status -9)."""
         statuses = {}
         self.scheduler.terminate()
-        statuses["scheduler"] = self.scheduler.wait(grace_s)
+        statuses["scheduler"] = self.scheduler.wait(grace_s + SHUTDOWN_MARGIN_S)
         for service in (self.worker, self.tokenizer):
             service.terminate()
         for service in (self.worker, self.tokenizer):
-            statuses[service.name] = service.wait(grace_s)
+            statuses[service.name] = service.wait(grace_s + SHUTDOWN_MARGIN_S)
         return statuses
 
     def restart_worker(self) -> None:

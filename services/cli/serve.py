@@ -86,12 +86,14 @@ def run(args: argparse.Namespace) -> int:
     model_dir = args.model_dir or ensure_default_model()  # once here, not in three processes at once
     platform = LocalPlatform(platform_config(args, model_dir))
     try:
-        return asyncio.run(_serve(platform, args))
+        code = asyncio.run(_serve(platform, args))
     finally:
         statuses = platform.stop(args.grace)
-        failed = {name: code for name, code in statuses.items() if code not in (0, None)}
-        if failed:
-            print(f"services exited with errors: {failed} (logs in {platform.config.log_dir})", file=sys.stderr)
+    failed = {name: status for name, status in statuses.items() if status not in (0, None)}
+    if failed:
+        print(f"services exited with errors: {failed} (logs in {platform.config.log_dir})", file=sys.stderr)
+        return code or 1
+    return code
 
 
 async def _serve(platform: LocalPlatform, args: argparse.Namespace) -> int:

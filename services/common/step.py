@@ -26,6 +26,22 @@ class SamplingParams:
     seed: int | None = None  # per-request generator: same seed, same tokens
     logprobs: int = 0  # how many top alternatives to return with each sampled token (0: none; <= MAX_LOGPROBS)
 
+    def problem(self) -> tuple[str, str] | None:
+        """(field, what is wrong) for the first invalid field, or None. The scheduler checks requests
+        with this before admitting them and the worker checks steps with it, so they cannot disagree
+        (a step the worker refuses would look like a lost worker). NaN fails every range check."""
+        if not self.temperature >= 0:
+            return "temperature", f"must be >= 0, got {self.temperature}"
+        if not 0 < self.top_p <= 1:
+            return "top_p", f"must be in (0, 1], got {self.top_p}"
+        if self.top_k < 0:
+            return "top_k", f"must be >= 0 (0 disables it), got {self.top_k}"
+        if not 0 <= self.logprobs <= MAX_LOGPROBS:
+            return "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            return "seed", f"must be in [0, 2**64), got {self.seed}"
+        return None
+
 
 @dataclass
 class NewRequestData:

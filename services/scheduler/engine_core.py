@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from prefixcache.services.common.block_identity import BlockHasher
-from prefixcache.services.common.step import MAX_LOGPROBS, SchedulerStep, StepOutput
+from prefixcache.services.common.step import SchedulerStep, StepOutput
 from prefixcache.services.scheduler.kv_cache import CacheStats, KVCacheManager
 from prefixcache.services.scheduler.metrics import SchedulerMetrics
 from prefixcache.services.scheduler.request import EngineRequest, RequestOutput, Usage
@@ -205,6 +205,10 @@ class EngineCore:
         if request.max_tokens <= 0:
             raise RequestRejected("max_tokens", f"must be positive, got {request.max_tokens}")
         max_len = self.max_model_len
+        if len(prompt) >= max_len:
+            raise RequestRejected(
+                "prompt_token_ids", f"the prompt ({len(prompt)} tokens) leaves no room to generate within the "
+                f"maximum length {max_len}")
         if len(prompt) + request.max_tokens > max_len:
             raise RequestRejected(
                 "max_tokens",
@@ -216,15 +220,8 @@ class EngineCore:
                 "max_tokens",
                 f"prompt + max_tokens needs {blocks_needed} KV blocks; the worker has {info.num_kv_blocks}",
             )
-        sampling = request.sampling
-        if sampling.temperature < 0:
-            raise RequestRejected("temperature", f"must be >= 0, got {sampling.temperature}")
-        if not 0 < sampling.top_p <= 1:
-            raise RequestRejected("top_p", f"must be in (0, 1], got {sampling.top_p}")
-        if sampling.top_k < 0:
-            raise RequestRejected("top_k", f"must be >= 0, got {sampling.top_k}")
-        if not 0 <= sampling.logprobs <= MAX_LOGPROBS:
-            raise RequestRejected("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {sampling.logprobs}")
+        if problem := request.sampling.problem():
+            raise RequestRejected(*problem)
         if request.extras.mm_items and not info.supports_multimodal:
             raise RequestRejected("multimodal", f"the model {info.model_id!r} takes text only")
         bad_stop = next((t for t in request.stop_token_ids if not 0 <= t < info.vocab_size), None)

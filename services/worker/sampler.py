@@ -15,21 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixcache.services.common.step import MAX_LOGPROBS, SamplingParams, TokenLogprobs
+from prefixcache.services.common.step import SamplingParams, TokenLogprobs
 
 
 def validate_sampling(params: SamplingParams) -> None:
     """Raise ValueError naming the first invalid field."""
-    if not params.temperature >= 0:
-        raise ValueError(f"sampling.temperature must be >= 0, got {params.temperature}")
-    if not 0 < params.top_p <= 1:
-        raise ValueError(f"sampling.top_p must be in (0, 1], got {params.top_p}")
-    if params.top_k < 0:
-        raise ValueError(f"sampling.top_k must be >= 0 (0 disables it), got {params.top_k}")
-    if not 0 <= params.logprobs <= MAX_LOGPROBS:
-        raise ValueError(f"sampling.logprobs must be in [0, {MAX_LOGPROBS}], got {params.logprobs}")
-    if params.seed is not None and not 0 <= params.seed < 2**64:
-        raise ValueError(f"sampling.seed must be in [0, 2**64), got {params.seed}")
+    if problem := params.problem():
+        field, message = problem
+        raise ValueError(f"sampling.{field} {message}")
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
