@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Worker"].full_name
 
-def describe_to_proto(description: ModelDescription) -> pb.ModelDescription:
+def describe_to_proto(description: ModelDescription, kv_cache_memory: int) -> pb.ModelDescription:
     return pb.ModelDescription(
         model_id=description.model_id,
         architecture=description.architecture,
@@ -39,6 +39,7 @@ def describe_to_proto(description: ModelDescription) -> pb.ModelDescription:
         head_dim=description.head_dim,
         eos_token_ids=description.eos_token_ids,
         bytes_per_block_token=description.bytes_per_block_token,
+        kv_cache_tokens=kv_cache_memory // description.bytes_per_block_token,
     )
 
 
@@ -59,7 +60,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def Describe(self, request: pb.DescribeRequest, context: aio.ServicerContext) -> pb.ModelDescription:
         runner = await self._loaded(context)
-        return describe_to_proto(runner.describe())
+        return describe_to_proto(runner.describe(), self.kv_cache_memory)
 
     async def InitializeCache(
         self, request: pb.InitializeCacheRequest, context: aio.ServicerContext
@@ -75,9 +76,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await self.compute.run(runner.initialize_kv_cache, num_blocks, request.block_size)
             self._block_size = request.block_size
         log.info("KV cache initialized: %d blocks of %d tokens", num_blocks, request.block_size)
-        return pb.InitializeCacheResponse(
-            num_blocks=num_blocks, block_size=request.block_size, model=describe_to_proto(runner.describe())
-        )
+        description = describe_to_proto(runner.describe(), self.kv_cache_memory)
+        return pb.InitializeCacheResponse(num_blocks=num_blocks, block_size=request.block_size, model=description)
 
     async def ExecuteStep(self, request: pb.Step, context: aio.ServicerContext) -> pb.StepResult:
         runner = await self._loaded(context)

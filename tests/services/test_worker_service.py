@@ -55,6 +55,7 @@ def test_greedy_generation_through_steps(runner) -> None:
         init = await stub.InitializeCache(pb.InitializeCacheRequest(block_size=BLOCK))
         expected_blocks = 32 * 2**20 // (description.bytes_per_block_token * BLOCK)
         assert init.num_blocks == expected_blocks and init.model.model_id == description.model_id
+        assert description.kv_cache_tokens // BLOCK == expected_blocks  # known before InitializeCache
 
         # The prompt in two prefill chunks (the first samples nothing), then decodes, growing the
         # block table by one block when the sequence crosses a block boundary.
