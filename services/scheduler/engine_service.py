@@ -306,7 +306,8 @@ class _Stream:
                 self.account = output.cache_account
             text = ""
             if not self._stops.stopped:
-                text = self._stops.push(await self._detokenizer.push(output.new_token_ids), final=output.finished)
+                new_text = await self._detokenizer.push(output.new_token_ids, last=output.finished)
+                text = self._stops.push(new_text, final=output.finished)
                 if self._stops.stopped:
                     self._engine.abort(self._request_id)  # its final output, with the usage, follows
             if output.finished:

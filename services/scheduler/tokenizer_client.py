@@ -46,15 +46,16 @@ class StreamingDetokenizer:
         self._context = prompt_context
         self._call: aio.StreamStreamCall | None = None
 
-    async def push(self, token_ids: Sequence[int]) -> str:
+    async def push(self, token_ids: Sequence[int], last: bool = False) -> str:
+        """The text `token_ids` complete; with `last`, also whatever was held back."""
         if self._call is None:
             self._call = self._stub.DetokenizeStream()
             first = pb.DetokenizeStreamRequest(
-                token_ids=token_ids, prefix_token_ids=self._context, skip_special_tokens=True
+                token_ids=token_ids, prefix_token_ids=self._context, skip_special_tokens=True, last=last
             )
             await self._call.write(first)
         else:
-            await self._call.write(pb.DetokenizeStreamRequest(token_ids=token_ids))
+            await self._call.write(pb.DetokenizeStreamRequest(token_ids=token_ids, last=last))
         reply = await self._call.read()
         return reply.text
 

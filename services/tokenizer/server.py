@@ -55,7 +55,7 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
                     detokenizer = IncrementalDetokenizer(
                         self._tokenizer, request.prefix_token_ids, request.skip_special_tokens
                     )
-                text = detokenizer.push(request.token_ids)
+                text = detokenizer.push(request.token_ids, last=request.last)
             except ValueError as error:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
             yield pb.DetokenizeStreamResponse(text=text)

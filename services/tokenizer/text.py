@@ -143,8 +143,9 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)  # ids before this have been emitted (or were context)
         self._prefix_offset = max(0, self._read_offset - self.CONTEXT_TOKENS)
 
-    def push(self, new_ids: Sequence[int]) -> str:
-        """Add ids; return the text they complete (possibly empty)."""
+    def push(self, new_ids: Sequence[int], last: bool = False) -> str:
+        """Add ids; return the text they complete (possibly empty). With `last`, also the text still
+        held back, an unfinished character decoded as U+FFFD, as a full decode would show it."""
         self._tokenizer.check_ids(new_ids)
         self._ids.extend(new_ids)
         if len(self._ids) == self._read_offset:
@@ -152,7 +153,7 @@ class IncrementalDetokenizer:
         decode = self._tokenizer.decode_checked
         already = decode(self._ids[self._prefix_offset : self._read_offset], self._skip_special)
         text = decode(self._ids[self._prefix_offset :], self._skip_special)
-        if text.endswith("\ufffd") or len(text) <= len(already):
+        if len(text) <= len(already) or (text.endswith("\ufffd") and not last):
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)

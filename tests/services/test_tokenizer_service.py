@@ -114,6 +114,25 @@ def test_stream_never_emits_a_broken_character(tokenizer: TextTokenizer) -> None
     run(tokenizer, body)
 
 
+def test_the_last_message_flushes_an_unfinished_character(tokenizer: TextTokenizer) -> None:
+    ids = tokenizer.encode("ok 🎉")
+    cut = next(n for n in range(len(ids), 0, -1) if tokenizer.decode(ids[:n]).endswith("\ufffd"))
+    ids = ids[:cut]  # the stream ends inside the emoji, as a generation cut by max_tokens can
+
+    async def body(stub: pb_grpc.TokenizerStub) -> None:
+        async def requests():
+            for index, token_id in enumerate(ids):
+                yield pb.DetokenizeStreamRequest(token_ids=[token_id], last=index == len(ids) - 1)
+
+        pieces = [reply.text async for reply in stub.DetokenizeStream(requests())]
+        assert all("\ufffd" not in piece for piece in pieces[:-1])
+        assert pieces[-1].endswith("\ufffd")
+        detokenized = await stub.Detokenize(pb.DetokenizeRequest(token_ids=ids))
+        assert "".join(pieces) == detokenized.text
+
+    run(tokenizer, body)
+
+
 def test_stream_decodes_in_the_context_of_the_prompt(tokenizer: TextTokenizer) -> None:
     prompt = tokenizer.encode("The answer is")
     generated = tokenizer.encode("The answer is forty-two.")[len(prompt) :]
