@@ -24,11 +24,12 @@ def target(platform: LocalPlatform) -> str:
 
 @pytest.fixture(autouse=True)
 def no_block_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    # Looked up before the test: fixtures may not be requested during teardown.
+    platform = request.getfixturevalue("platform") if "platform" in request.fixturenames else None
     yield
-    if "platform" not in request.fixturenames:
+    if platform is None:
         return
-    target = request.getfixturevalue("target")
-    stats = run(wait_idle(target))
+    stats = run(wait_idle(platform.engine_address))
     assert (stats.running_requests, stats.waiting_requests) == (0, 0)
     assert stats.used_blocks == 0, f"{stats.used_blocks} blocks still held after the test"
     assert stats.free_blocks == stats.num_blocks
