@@ -65,24 +65,30 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to(torch_dtype).to_empty(device=device).eval()  # cast while on meta: no memory twice
-    expected = model.expected_checkpoint_names()
-    loaded: set[str] = set()
+    _check_complete(model_dir, files, model.expected_checkpoint_names())
     reporter = _Progress(sum(path.stat().st_size for path in files), progress)
     for path in files:
         with safe_open(str(path), framework="pt") as checkpoint:
             for name in checkpoint.keys():
                 tensor = checkpoint.get_tensor(name)
-                if model.load_weight(name, tensor):
-                    loaded.add(name)
+                model.load_weight(name, tensor)
                 reporter.advance(tensor.numel() * tensor.element_size())
     reporter.finish()
-    missing = sorted(expected - loaded)
-    if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ValueError(f"{model_dir}: checkpoint lacks {len(missing)} weight(s): {shown}")
     if torch.device(device).type == "cpu":
         model.lay_out_for_cpu()
     return LoadedModel(model=model, config=config, model_id=f"{model_dir.name}@sha256:{_digest(files)[:16]}")
+
+
+def _check_complete(model_dir: Path, files: list[Path], expected: set[str]) -> None:
+    """Fail before reading any tensor if the files' headers lack a weight the model needs."""
+    present: set[str] = set()
+    for path in files:
+        with safe_open(str(path), framework="pt") as checkpoint:
+            present.update(checkpoint.keys())
+    if missing := expected - present:
+        names = sorted(missing)
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise ValueError(f"{model_dir}: checkpoint lacks {len(names)} weight(s): {shown}")
 
 
 def _digest(files: list[Path]) -> str:
