@@ -161,10 +161,10 @@ class LlamaForCausalLM(nn.Module):
         return names
 
     @torch.no_grad()
-    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
-        """Copy one checkpoint tensor into its (possibly fused) parameter; False if the model has no use for it."""
+    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy one checkpoint tensor into its (possibly fused) parameter; skip those the model derives."""
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
-            return False  # recomputed, or tied to the embeddings
+            return  # recomputed, or tied to the embeddings
         local = name.removeprefix("model.")
         target, index = local, None
         for hf_prefix, (fused, slice_index) in _FUSED.items():
@@ -182,7 +182,6 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
                              f"the model expects {tuple(parameter.shape)}")
         parameter.copy_(tensor)
-        return True
 
     def _fused_slice(self, target: str, parameter: torch.Tensor, index: int) -> torch.Tensor:
         if ".qkv_proj." in target:
