@@ -294,12 +294,13 @@ class Scheduler:
         return output
 
     def drop_all(self) -> list[str]:
-        """Forget every request and free every block: the worker is gone, and its state with it.
-        Returns the ids of the requests that were in flight."""
+        """Forget every request, free every block and every cached hash: the worker is gone, and its
+        KV with it. Returns the ids of the requests that were in flight."""
         request_ids = list(self.requests)
         for request in self.running:
             self.kv_cache.free(request.request_id)
             request.status = RequestStatus.FINISHED
+        self.kv_cache.reset_prefix_cache()  # nothing holds a block now, so this cannot refuse
         for request in self.waiting:
             request.status = RequestStatus.FINISHED
         self.requests.clear()

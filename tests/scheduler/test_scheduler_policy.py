@@ -266,9 +266,10 @@ def test_drop_all_frees_every_block():
     scheduler.add_request(request("a", range(10)))
     scheduler.add_request(request("b", range(10)))
     answer(scheduler, scheduler.schedule())
+    assert scheduler.kv_cache.stats().cached_blocks > 0
     assert scheduler.drop_all() == ["a", "b"]
     assert scheduler.kv_cache.num_free_blocks == 16 and not scheduler.has_work()
-    assert scheduler.kv_cache.reset_prefix_cache()
+    assert scheduler.kv_cache.stats().cached_blocks == 0  # the KV they named is gone with the worker
 
 
 def test_config_rejects_non_positive_limits():
