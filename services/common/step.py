@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 MAX_LOGPROBS = 20  # most alternatives a request may ask for with each sampled token
+
 
 @dataclass(frozen=True)
 class SamplingParams:

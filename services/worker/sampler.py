@@ -31,7 +31,8 @@ def make_generator(params: SamplingParams, device: torch.device | str) -> torch.
     if params.temperature == 0:
         return None
     generator = torch.Generator(device=device)
-    generator.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+    if params.seed is None:
+        generator.manual_seed(secrets.randbits(63))
     return generator
 
 

@@ -36,9 +36,9 @@ def test_float32_matches_linear_for_every_row_count(bias: bool, blocked_rows: ra
 
 
 @needs_onednn
+@pytest.mark.skipif(torch.backends.mkldnn.is_available() and not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="this CPU has no oneDNN bfloat16 support")
 def test_bfloat16_blocked_for_all_rows_matches_linear() -> None:
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        pytest.skip("this CPU has no oneDNN bfloat16 support")
     weight, bias = _weights(torch.bfloat16, True)
     layer = CpuLinear(weight, bias, ALL_ROWS)
     assert layer.weight_t is None  # the blocked copy is the only one

@@ -63,10 +63,10 @@ class RotaryEmbedding:
         if key not in self._tables:
             positions = torch.arange(self.max_positions, dtype=torch.float32)
             angles = torch.outer(positions, inverse_frequencies(self.rope, self.head_dim))
-            sin = angles.sin()
-            signed_sin = torch.cat((-sin, sin), dim=-1)  # [max_positions, head_dim]
-            cos = torch.cat((angles.cos(), angles.cos()), dim=-1)
-            self._tables[key] = (cos.to(device, dtype), signed_sin.to(device, dtype))
+            cos, sin = angles.cos(), angles.sin()
+            cos_table = torch.cat((cos, cos), dim=-1)  # [max_positions, head_dim]
+            signed_sin_table = torch.cat((-sin, sin), dim=-1)
+            self._tables[key] = (cos_table.to(device, dtype), signed_sin_table.to(device, dtype))
         return self._tables[key]
 
 
