@@ -28,26 +28,28 @@ u32_token_ids = (st.integers(min_value=0, max_value=(1 << 32) - 1)
                  | st.integers(min_value=0, max_value=300))
 
 
-def _assert_runs_match_cbor2(values: list[int], log_run: int) -> None:
-    run_length = 1 << log_run
-    values = values[: len(values) // run_length * run_length]
-    runs = cbor.encode_uint_runs(values, run_length)
-    expected = [cbor2.dumps(values[i : i + run_length], canonical=True)[len(cbor.head(4, run_length)):]
-                for i in range(0, len(values), run_length)]
-    assert runs == expected
+suffixes = st.sampled_from([b"", b"\xf6", cbor.encode([["salt", "tenant-a"]])])
+
+
+def _assert_arrays_match_cbor2(values: list[int], log_length: int, suffix: bytes) -> None:
+    length = 1 << log_length
+    values = values[: len(values) // length * length]
+    arrays = cbor.encode_uint_arrays(values, length, suffix)
+    expected = [cbor2.dumps(values[i : i + length], canonical=True) + suffix for i in range(0, len(values), length)]
+    assert arrays == expected
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(min_value=0, max_value=5), st.lists(token_ids, max_size=64))
-def test_encode_uint_runs_matches_cbor2_per_run(log_run, values):
-    _assert_runs_match_cbor2(values, log_run)
+@given(st.integers(min_value=0, max_value=5), st.lists(token_ids, max_size=64), suffixes)
+def test_encode_uint_arrays_matches_cbor2_per_array(log_length, values, suffix):
+    _assert_arrays_match_cbor2(values, log_length, suffix)
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(min_value=0, max_value=5), st.lists(u32_token_ids, min_size=1, max_size=128))
-def test_vectorized_path_matches_cbor2_for_every_width(log_run, values):
-    """Dense small ids or ids of 64k and more take the numpy path: every width mixed in a run."""
-    _assert_runs_match_cbor2(values, log_run)
+@given(st.integers(min_value=0, max_value=5), st.lists(u32_token_ids, min_size=1, max_size=128), suffixes)
+def test_vectorized_path_matches_cbor2_for_every_width(log_length, values, suffix):
+    """Dense small ids or ids of 64k and more take the numpy path: every width mixed in an array."""
+    _assert_arrays_match_cbor2(values, log_length, suffix)
 
 
 @settings(max_examples=100, deadline=None)
@@ -56,17 +58,17 @@ def test_vectorized_path_matches_cbor2_for_every_width(log_run, values):
 def test_fixed_width_path_splices_in_small_ids(values, positions, small):
     for position in positions:
         values[position] = small
-    runs = cbor.encode_uint_runs(values, 16)
-    assert b"".join(runs) == cbor2.dumps(values, canonical=True)[2:]  # 0x98 0x40: array(64)
+    arrays = cbor.encode_uint_arrays(values, 16, b"\xf6")
+    assert arrays == [cbor2.dumps(values[i : i + 16], canonical=True) + b"\xf6" for i in range(0, 64, 16)]
 
 
 def test_splicing_several_small_ids_into_one_run():
-    values = list(range(1000, 1000 + 16 * 8))  # eight runs of 3-byte encodings
+    values = list(range(1000, 1000 + 16 * 8))  # eight arrays of 3-byte encodings
     values[3], values[9], values[15] = 5, 200, 23  # three short encodings in run 0 (1, 2 and 1 bytes)
-    runs = cbor.encode_uint_runs(values, 16)
-    assert runs[0] == cbor2.dumps(values[:16], canonical=True)[1:]
-    assert len(runs[0]) == 3 * 16 - 2 - 1 - 2
-    assert b"".join(runs) == cbor2.dumps(values, canonical=True)[2:]
+    arrays = cbor.encode_uint_arrays(values, 16)
+    assert arrays[0] == cbor2.dumps(values[:16], canonical=True)
+    assert len(arrays[0]) == 1 + 3 * 16 - 2 - 1 - 2
+    assert arrays == [cbor2.dumps(values[i : i + 16], canonical=True) for i in range(0, len(values), 16)]
 
 
 def test_head_uses_the_shortest_form():
@@ -85,6 +87,6 @@ def test_unsupported_types_are_rejected():
         cbor.encode({"a": 1})
 
 
-def test_runs_must_divide_the_values():
+def test_arrays_must_divide_the_values():
     with pytest.raises(ValueError):
-        cbor.encode_uint_runs([1, 2, 3], 2)
+        cbor.encode_uint_arrays([1, 2, 3], 2)

@@ -6,7 +6,7 @@ text strings, arrays, null and booleans. There are no maps and no floats, so the
 `cbor2.dumps(value, canonical=True)` for every supported value (tests check this with hypothesis).
 
 The block hasher spends much of its time turning token ids into CBOR, so this module also has a
-bulk encoder, `encode_uint_runs`, that encodes a whole prompt with a few C-level byte and numpy
+bulk encoder, `encode_uint_arrays`, that encodes a whole prompt with a few C-level byte and numpy
 operations instead of one Python call per token.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ import re
 import sys
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -117,22 +118,24 @@ def _fixed_width_pattern(width: int) -> re.Pattern[bytes]:
 
 _U32 = next(code for code in "IL" if array(code).itemsize == 4)
 _NATIVE_LITTLE_ENDIAN = sys.byteorder == "little"
-_U16_HEAD = bytes((_MAJOR_UINT << 5 | 25,))
-# Splicing values below 256 into fixed-width runs beats the vectorized path while they number at most
-# one per this many runs (a splice costs about two runs' share of the vectorized path).
+# Splicing values below 256 into fixed-width arrays beats the vectorized path while they number at most
+# one per this many arrays (a splice costs about two arrays' share of the vectorized path).
 _SPARSE_SMALL_IDS = 2
+_U16_HEAD = bytes((_MAJOR_UINT << 5 | 25,))
 
 
-def encode_uint_runs(values: Sequence[int], run_length: int) -> list[bytes]:
-    """Encode `values` in consecutive runs of `run_length`: one `encode_uints(run)` per run.
+def encode_uint_arrays(values: Sequence[int], length: int, suffix: bytes = b"") -> list[bytes]:
+    """Encode `values` as consecutive arrays of `length` items, each followed by `suffix`.
 
-    `len(values)` must be a multiple of `run_length`. The values are packed once into 32-bit
-    big-endian words, then one of three paths runs, by what the values are:
+    Item i of the result is `encode(values[i*length : (i+1)*length]) + suffix`; `len(values)`
+    must be a multiple of `length`. (The block hasher's suffix is the encoded `extra` value, so
+    each item is everything of a block's hash input after its parent.) The values are packed once
+    into 32-bit big-endian words, then one of three paths runs, by what the values are:
 
     - all in [256, 65536) (random ids of a vocabulary under 64k): each encodes as `0x19` plus two
-      bytes, so three strided slice assignments build every run at a fixed width;
+      bytes, so every array has one width and is laid out at once in a numpy grid;
     - the same, but a few below 256 (shorter encodings): their 1- or 2-byte encodings are spliced
-      into the fixed-width runs afterwards;
+      into the fixed-width arrays afterwards;
     - anything else, such as real text, where about a third of the tokens of a byte-level BPE
       vocabulary (punctuation, spaces, newlines) lie below 256, or ids of 64k and more: every value's
       encoding is built at once with numpy as a head byte plus the last 0-4 of its big-endian bytes.
@@ -140,67 +143,100 @@ def encode_uint_runs(values: Sequence[int], run_length: int) -> list[bytes]:
     Values that are not integers in [0, 2**32) take the general path, which validates each one.
     """
     count = len(values)
-    if count % run_length:
-        raise ValueError(f"{count} values do not split into runs of {run_length}")
+    if count % length:
+        raise ValueError(f"{count} values do not split into arrays of {length}")
+    array_head = head(_MAJOR_ARRAY, length)
     try:
-        words = array(_U32, values)
+        words = array(_U32)
+        words.fromlist(values if isinstance(values, list) else list(values))
     except (TypeError, OverflowError):
-        return [encode_uints(values[i : i + run_length]) for i in range(0, count, run_length)]
+        return [b"".join((array_head, encode_uints(values[i : i + length]), suffix))
+                for i in range(0, count, length)]
     if _NATIVE_LITTLE_ENDIAN:
         words.byteswap()
     raw = words.tobytes()
+    layout = _ArrayLayout(array_head, length, suffix, count // length)
     if raw[0::4].count(0) != count or raw[1::4].count(0) != count:  # some value >= 65536
-        return _encode_runs_vectorized(raw, run_length)
+        return _encode_arrays_vectorized(raw, layout)
     high_bytes = raw[2::4]
     num_small = high_bytes.count(0)  # a zero high byte marks a value below 256
-    if num_small * _SPARSE_SMALL_IDS > count // run_length:
-        return _encode_runs_vectorized(raw, run_length)
-    packed = bytearray(3 * count)
+    if num_small * _SPARSE_SMALL_IDS > layout.num_arrays:
+        return _encode_arrays_vectorized(raw, layout)
+    packed = bytearray(3 * count)  # byte-strided slicing is several times faster than numpy's here
     packed[0::3] = _U16_HEAD * count
     packed[1::3] = high_bytes
     packed[2::3] = raw[3::4]
-    # Every run is now exactly 3 * run_length bytes; a regex splits them in one C loop (about a
+    grid = layout.grid(3)
+    layout.items(grid, 3)[:] = np.frombuffer(packed, dtype=np.uint8).reshape(layout.num_arrays, length, 3)
+    # Every array is now exactly one row of the grid; a regex splits them in one C loop (about a
     # third faster than a comprehension of slices).
-    runs = _fixed_width_pattern(3 * run_length).findall(packed)
-    # Splice the shorter encodings of values below 256 into their runs, right to left within a run
-    # so the offsets still to visit do not move.
+    arrays = _fixed_width_pattern(grid.shape[1]).findall(grid.tobytes())
+    # Splice the shorter encodings of values below 256 into their arrays, right to left within an
+    # array so the offsets still to visit do not move.
     position = high_bytes.find(0)
     while position != -1:
-        run = position // run_length
-        first = run * run_length
+        index = position // length
+        first = index * length
         positions = [position]
         position = high_bytes.find(0, position + 1)
-        while position != -1 and position < first + run_length:
+        while position != -1 and position < first + length:
             positions.append(position)
             position = high_bytes.find(0, position + 1)
-        encoded = runs[run]
+        encoded = arrays[index]
         for small in reversed(positions):
-            offset = 3 * (small - first)
+            offset = len(array_head) + 3 * (small - first)
             encoded = encoded[:offset] + _UINT_ENCODINGS[raw[4 * small + 3]] + encoded[offset + 3 :]
-        runs[run] = encoded
-    return runs
+        arrays[index] = encoded
+    return arrays
 
 
-def _encode_runs_vectorized(big_endian_words: bytes, run_length: int) -> list[bytes]:
-    """`encode_uint_runs` for 32-bit big-endian words, any mix of encoded widths.
+@dataclass(frozen=True)
+class _ArrayLayout:
+    """Rows of `head | length items of `item_width` bytes | suffix`, one row per array."""
+
+    head: bytes
+    length: int
+    suffix: bytes
+    num_arrays: int
+
+    def grid(self, item_width: int) -> np.ndarray:
+        """A grid with every row's head and suffix filled in; the items are left to the caller."""
+        width = len(self.head) + item_width * self.length + len(self.suffix)
+        grid = np.empty((self.num_arrays, width), dtype=np.uint8)
+        grid[:, : len(self.head)] = np.frombuffer(self.head, dtype=np.uint8)
+        if self.suffix:
+            grid[:, width - len(self.suffix) :] = np.frombuffer(self.suffix, dtype=np.uint8)
+        return grid
+
+    def items(self, grid: np.ndarray, item_width: int) -> np.ndarray:
+        """The item columns of `grid` seen as [array, item, byte]."""
+        start = len(self.head)
+        return grid[:, start : start + item_width * self.length].reshape(self.num_arrays, self.length, item_width)
+
+
+def _encode_arrays_vectorized(big_endian_words: bytes, layout: _ArrayLayout) -> list[bytes]:
+    """`encode_uint_arrays` for 32-bit big-endian words, any mix of encoded widths.
 
     A value's shortest encoding is a head byte followed by the last 0, 1, 2 or 4 of its four
-    big-endian bytes: build all five columns for every value, then keep the bytes each one needs.
+    big-endian bytes: lay out the head and the last two bytes of every value (all four when some
+    value is 65536 or more), then keep the bytes each one needs.
     """
-    values = np.frombuffer(big_endian_words, dtype=">u4")
-    count = len(values)
+    shape = (layout.num_arrays, layout.length)
+    values = np.frombuffer(big_endian_words, dtype=">u4").reshape(shape)
     tiny = values < 24
     wide = values >= 256
     widest = values >= 65536
-    encoded = np.empty((count, 5), dtype=np.uint8)
-    encoded[:, 0] = np.where(tiny, values, 0x18 + wide + widest)  # the value itself, or 0x18/0x19/0x1a
-    encoded[:, 1:] = np.frombuffer(big_endian_words, dtype=np.uint8).reshape(count, 4)
-    keep = np.empty((count, 5), dtype=bool)
-    keep[:, 0] = True
-    keep[:, 1] = widest
-    keep[:, 2] = widest
-    keep[:, 3] = wide
-    np.logical_not(tiny, out=keep[:, 4])
-    flat = encoded[keep].tobytes()
-    ends = keep.reshape(-1, 5 * run_length).sum(axis=1).cumsum().tolist()
+    byte_columns = 4 if widest.any() else 2
+    grid = layout.grid(1 + byte_columns)
+    items = layout.items(grid, 1 + byte_columns)
+    items[:, :, 0] = np.where(tiny, values, 0x18 + wide + widest)  # the value itself, or 0x18/0x19/0x1a
+    items[:, :, 1:] = np.frombuffer(big_endian_words, dtype=np.uint8).reshape(*shape, 4)[:, :, 4 - byte_columns :]
+    keep = np.ones(grid.shape, dtype=bool)
+    kept_items = layout.items(keep, 1 + byte_columns)
+    if byte_columns == 4:
+        kept_items[:, :, 1] = kept_items[:, :, 2] = widest
+    kept_items[:, :, -2] = wide
+    np.logical_not(tiny, out=kept_items[:, :, -1])
+    flat = grid[keep].tobytes()
+    ends = keep.sum(axis=1).cumsum().tolist()
     return [flat[start:end] for start, end in zip([0, *ends], ends)]
