@@ -17,7 +17,13 @@ Per step, the batch splits three ways (`TorchAttentionPlan`, built once and shar
   their log-sum-exp. Without it every decode reads the whole shared prefix again.
 
 Gathers copy whole blocks (`index_select` over the block axis), which moves the same bytes as a
-per-position gather in far fewer, larger copies. A padded decode group therefore reads, masked out,
+per-position gather in far fewer, larger copies. A sequence whose blocks are consecutive ids (common:
+the free queue hands out runs, and a conversation's next turn finds its history where it left it) is
+read as a view of the cache instead, with no copy at all (a batch-1 decode step of SmolLM2 went from
+39.9 to 36.7 ms at a 1k-token context, 52.1 to 44.3 ms at 3k). Its values and strides are those the
+gather would produce, so the result is the same to the bit. Decodes grouped into one call still gather:
+one call per decode over views was slower (batch 4 at 900 positions: 80 against 71 ms a step), as a
+single decode gives the flash kernel only one work item per key/value head to spread over the threads. A padded decode group therefore reads, masked out,
 the unused tail of each shorter member's last block: a cache must hold finite values in every slot
 of the blocks in a table (`allocate_kv_cache` zero-fills; stale keys and values are finite), since a
 zero weight times NaN is still NaN.
@@ -53,6 +59,7 @@ class FreshPrefill:
 class ContextPrefill:
     tokens: slice
     blocks: torch.Tensor  # [num_blocks] int64: the sequence's blocks, in order
+    first_block: int | None  # blocks[0] when the blocks are consecutive ids (read as a view)
     seq_len: int
     visible: torch.Tensor  # [query_len, seq_len] bool
 
@@ -67,6 +74,7 @@ class Decode(NamedTuple):
 class DecodeBatch:
     token_index: torch.Tensor  # [num_decodes] int64: rows of the decodes in the packed batch
     blocks: torch.Tensor  # [num_decodes, blocks of the longest] int64, padded with each row's first block
+    first_block: int | None  # for one decode whose blocks are consecutive ids: the first (read as a view)
     max_len: int
     visible: torch.Tensor | None  # [num_decodes, 1, 1, max_len] bool; None when no row is padded
 
@@ -74,6 +82,7 @@ class DecodeBatch:
 @dataclass
 class CascadeDecodes:
     shared_blocks: torch.Tensor  # [num_shared_blocks] int64: the leading blocks every member's table holds
+    first_shared_block: int | None  # shared_blocks[0] when they are consecutive ids (read as a view)
     tails: DecodeBatch  # each member's positions after the shared blocks
 
 
@@ -102,7 +111,7 @@ class TorchAttentionPlan:
                 positions = torch.arange(seq_len, device=device)
                 query_positions = torch.arange(seq_len - query_len, seq_len, device=device)
                 visible = positions[None, :] <= query_positions[:, None]
-                context.append(ContextPrefill(tokens, blocks, seq_len, visible))
+                context.append(ContextPrefill(tokens, blocks, _first_if_consecutive(blocks.tolist()), seq_len, visible))
             start += query_len
         cascades, decodes = _find_cascades(meta, decodes, block_size)
         batches = [_decode_batch(meta, group, block_size) for group in _group_decodes(decodes)]
@@ -134,8 +143,9 @@ def _find_cascades(
         if (len(group) - 1) * num_shared * block_size < MIN_CASCADE_SAVED_POSITIONS:
             continue
         members = sorted((decode for decode, _ in group), reverse=True)
-        shared = torch.tensor(first_table[:num_shared], dtype=torch.int64)
-        cascades.append(CascadeDecodes(shared, _decode_batch(meta, members, block_size, skip_blocks=num_shared)))
+        shared = first_table[:num_shared]
+        cascades.append(CascadeDecodes(torch.tensor(shared, dtype=torch.int64), _first_if_consecutive(shared),
+                                       _decode_batch(meta, members, block_size, skip_blocks=num_shared)))
         cascaded.update(decode.seq for decode in members)
     return cascades, [decode for decode in decodes if decode.seq not in cascaded]
 
@@ -166,6 +176,7 @@ def _decode_batch(meta: AttentionMetadata, group: list[Decode], block_size: int,
     num_blocks = -(-max_len // block_size)
     rows = torch.tensor([decode.seq for decode in group], device=device)
     blocks = meta.block_tables[rows, skip_blocks : skip_blocks + num_blocks].long()
+    first_block = _first_if_consecutive(blocks[0].tolist()) if len(group) == 1 else None
     visible = None
     if min(lens) != max_len:
         # Past its own blocks a row holds table padding, which may name any block: read the row's
@@ -174,7 +185,15 @@ def _decode_batch(meta: AttentionMetadata, group: list[Decode], block_size: int,
         owned = torch.arange(num_blocks, device=device)[None, :] < -(-lens_tensor // block_size)
         blocks = torch.where(owned, blocks, blocks[:, :1])
         visible = (torch.arange(max_len, device=device)[None, :] < lens_tensor)[:, None, None, :]
-    return DecodeBatch(torch.tensor(tokens, device=device), blocks, max_len, visible)
+    return DecodeBatch(torch.tensor(tokens, device=device), blocks, first_block, max_len, visible)
+
+
+def _first_if_consecutive(block_ids: list[int]) -> int | None:
+    """`block_ids[0]` if the ids run consecutively upwards (one slice of the cache holds them), else None."""
+    first = block_ids[0]
+    if block_ids[-1] - first == len(block_ids) - 1 and block_ids == list(range(first, first + len(block_ids))):
+        return first
+    return None
 
 
 def write_kv_torch(
@@ -207,8 +226,8 @@ def attend_torch(
         output[rows] = _sdpa_prefill(query[rows], key[rows], value[rows], None, scale)
     for prefill in plan.context_prefills:
         rows = prefill.tokens
-        keys = _gather_blocks(key_cache, prefill.blocks)[: prefill.seq_len]  # [seq_len, num_kv_heads, D]
-        values = _gather_blocks(value_cache, prefill.blocks)[: prefill.seq_len]
+        keys = _read_blocks(key_cache, prefill.blocks, prefill.first_block)[: prefill.seq_len]  # [seq_len, kv heads, D]
+        values = _read_blocks(value_cache, prefill.blocks, prefill.first_block)[: prefill.seq_len]
         output[rows] = _sdpa_prefill(query[rows], keys, values, prefill.visible, scale)
     for decodes in plan.decode_batches:
         queries, keys, values = _decode_inputs(query, key_cache, value_cache, decodes)
@@ -232,8 +251,8 @@ def _decode_inputs(
     num_kv_heads, head_dim = key_cache.shape[2:]
     num_decodes = decodes.blocks.shape[0]
     queries = query.index_select(0, decodes.token_index).view(num_decodes, num_kv_heads, -1, head_dim)
-    keys = _gather_blocks(key_cache, decodes.blocks)[:, : decodes.max_len].transpose(1, 2)
-    values = _gather_blocks(value_cache, decodes.blocks)[:, : decodes.max_len].transpose(1, 2)
+    keys = _read_blocks(key_cache, decodes.blocks, decodes.first_block)[:, : decodes.max_len].transpose(1, 2)
+    values = _read_blocks(value_cache, decodes.blocks, decodes.first_block)[:, : decodes.max_len].transpose(1, 2)
     return queries, keys, values
 
 
@@ -252,8 +271,8 @@ def _attend_cascade(
 
     # Every member's queries against the shared keys in one call: [1, kv heads, members * group, D].
     stacked = queries.transpose(0, 1).reshape(1, num_kv_heads, members * group, head_dim)
-    shared_keys = _gather_blocks(key_cache, cascade.shared_blocks).transpose(0, 1)[None]
-    shared_values = _gather_blocks(value_cache, cascade.shared_blocks).transpose(0, 1)[None]
+    shared_keys = _read_blocks(key_cache, cascade.shared_blocks, cascade.first_shared_block).transpose(0, 1)[None]
+    shared_values = _read_blocks(value_cache, cascade.shared_blocks, cascade.first_shared_block).transpose(0, 1)[None]
     shared, shared_lse = _flash_attention_with_lse(stacked, shared_keys, shared_values, scale=scale)
     shared = shared.view(num_kv_heads, members, group, head_dim).transpose(0, 1)
     shared_lse = shared_lse.view(num_kv_heads, members, group).transpose(0, 1)
@@ -270,10 +289,15 @@ def _attend_cascade(
     return merged.to(query.dtype)
 
 
-def _gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """`[..., num_blocks]` block ids -> `[..., num_blocks * block_size, num_kv_heads, head_dim]` positions."""
-    gathered = cache.index_select(0, blocks.reshape(-1))
-    return gathered.view(*blocks.shape[:-1], -1, *cache.shape[2:])
+def _read_blocks(cache: torch.Tensor, blocks: torch.Tensor, first_block: int | None) -> torch.Tensor:
+    """`[..., num_blocks]` block ids -> `[..., num_blocks * block_size, num_kv_heads, head_dim]` positions.
+
+    A copy, unless `first_block` says the ids are consecutive: then a view of the cache."""
+    if first_block is None:
+        read = cache.index_select(0, blocks.reshape(-1))
+    else:
+        read = cache[first_block : first_block + blocks.shape[-1]]
+    return read.view(*blocks.shape[:-1], -1, *cache.shape[2:])
 
 
 def _sdpa_prefill(

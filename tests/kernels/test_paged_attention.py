@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -203,3 +205,39 @@ def test_torch_path_skips_a_cascade_that_would_save_little(paged_batch):
     meta = AttentionMetadata.build(batch.query_lens, batch.seq_lens, batch.block_tables, batch.block_size, "cpu")
     plan = TorchAttentionPlan.build(meta, batch.block_size)
     assert plan.cascades == [] and sum(d.blocks.shape[0] for d in plan.decode_batches) == 2
+
+
+def test_torch_path_reads_consecutive_blocks_in_place_with_the_same_result(paged_batch, relative_error):
+    """The same step with every sequence's blocks moved to consecutive ids: the lone decode, the chunk on
+    cached context and the cascade's shared blocks are read as views of the cache instead of gathered
+    copies, and the output is the same to the bit."""
+    sequences = [(300, 1), (290, 1), (700, 1), (40, 9), (0, 5), (100, 1), (95, 1)]
+    scattered = paged_batch(sequences, block_size=16, num_kv_heads=2, queries_per_kv=3, head_dim=16)
+    scattered.block_tables[1][:16] = scattered.block_tables[0][:16]  # a shared 256-token prompt
+    relocation: dict[int, int] = {}  # old block id -> new, in table order: each table's own blocks consecutive
+    for table in scattered.block_tables:
+        for block in table:
+            relocation.setdefault(block, len(relocation) + 1)
+    consecutive = copy.copy(scattered)
+    consecutive.block_tables = [[relocation[block] for block in table] for table in scattered.block_tables]
+    consecutive.key_cache, consecutive.value_cache = scattered.key_cache.clone(), scattered.value_cache.clone()
+    old_ids, new_ids = torch.tensor(list(relocation)), torch.tensor(list(relocation.values()))
+    consecutive.key_cache[new_ids] = scattered.key_cache[old_ids]
+    consecutive.value_cache[new_ids] = scattered.value_cache[old_ids]
+
+    outputs, plans = [], []
+    for batch in (scattered, consecutive):
+        plan = TorchAttentionPlan.build(written(batch, batch.query.device), batch.block_size)
+        outputs.append(attend_torch(batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache,
+                                    plan, batch.scale))
+        plans.append(plan)
+    assert torch.equal(outputs[0], outputs[1])
+    assert relative_error(outputs[1], reference_output(consecutive)) < 1e-5
+
+    def views(plan: TorchAttentionPlan) -> list[int | None]:
+        return ([prefill.first_block for prefill in plan.context_prefills]
+                + [cascade.first_shared_block for cascade in plan.cascades]
+                + sorted((d.first_block for d in plan.decode_batches), key=lambda block: block or 0))
+    assert views(plans[0]) == [None, None, None, None]
+    lone_decode, chunk, shared = (consecutive.block_tables[i][0] for i in (2, 3, 0))
+    assert views(plans[1]) == [chunk, shared, None, lone_decode]  # the two-decode group is still gathered
