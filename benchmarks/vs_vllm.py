@@ -19,11 +19,17 @@ expect a minute or more before it serves. Requests go to its OpenAI `/v1/complet
 token ids, greedy with `ignore_eos`, streamed, with the same fresh per-tenant `cache_salt` scheme as
 ours; cached tokens come from `usage.prompt_tokens_details`. Note that vLLM's CPU KV blocks hold 128
 tokens, so it reuses nothing of a shared prefix shorter than 128 tokens.
+
+Both servers are up for the whole run (an idle one takes no CPU), and each workload runs through both
+back to back, the order alternating from one workload to the next: this VM's speed drifts by tens of
+percent over minutes, and running one system's workloads all before the other's put that drift into
+the ratios.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import http.client
 import json
 import os
@@ -32,14 +38,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
-from prefixcache.services.bench.driver import TenantSalts, drive
-from prefixcache.services.bench.local_platform import LocalSettings
+from prefixcache.services.bench.driver import StreamingEndpoint, TenantSalts, drive
+from prefixcache.services.bench.engine import EngineEndpoint
+from prefixcache.services.bench.local_platform import LocalSettings, local_platform
 from prefixcache.services.bench.metrics import RequestRecord, RunSummary, summarize
-from prefixcache.services.bench.report import CACHE, ProgressBar, render_systems
-from prefixcache.services.bench.session import BenchConfig, parse_workloads, run_session
+from prefixcache.services.bench.report import ProgressBar, WorkloadResult, render_systems
+from prefixcache.services.bench.session import BenchConfig, BenchOutcome, parse_workloads, plan_workloads, warm_up
 from prefixcache.services.bench.workloads import BenchRequest, IntRange, WorkloadOptions
 from prefixcache.services.cli.launcher import free_port
 from prefixcache.services.common.model_store import ensure_default_model
@@ -153,19 +159,30 @@ class VllmEndpoint:
         return record
 
 
-async def run_vllm(endpoint: VllmEndpoint, requests: dict[str, list[BenchRequest]], concurrency: int,
-                   tenants: int, warmup: int) -> dict[str, RunSummary]:
-    first = next(iter(requests.values()))
-    if warmup:
-        warmups = [replace(r, request_id=f"warmup-{i}", after=None) for i, r in enumerate(first[:warmup])]
-        await drive(endpoint, warmups, concurrency, TenantSalts(1))  # a salt of its own: nothing reused later
-    summaries = {}
-    for name, batch in requests.items():
-        bar = ProgressBar(f"{name} (vllm)", len(batch))
-        run = await drive(endpoint, batch, concurrency, TenantSalts(tenants), on_done=bar.advance)
-        bar.close()
-        summaries[name] = summarize(run.records)
-    return summaries
+async def run_interleaved(config: BenchConfig, our_target: str, theirs: VllmEndpoint
+                          ) -> tuple[dict[str, object], dict[str, dict[str, RunSummary]]]:
+    """Each workload through both systems back to back, the order alternating from one workload to the
+    next, so that a drift in this machine's speed lands on both sides rather than on whichever ran last.
+
+    Returns the run's description and the summaries by system, then workload."""
+    summaries: dict[str, dict[str, RunSummary]] = {"vllm": {}, "prefixcache": {}}
+    async with EngineEndpoint(our_target, config.request_timeout_s) as ours:
+        outcome = BenchOutcome({name: WorkloadResult() for name in config.workloads})
+        plan_workloads(config, await ours.describe(), outcome, note=lambda text: print(f"note: {text}", file=sys.stderr))
+        for endpoint in (ours, theirs):
+            await warm_up(endpoint, outcome.options, config.warmup_requests)
+        systems: list[tuple[str, StreamingEndpoint]] = [("prefixcache", ours), ("vllm", theirs)]
+        for name, batch in outcome.requests.items():
+            for system, endpoint in systems:
+                if endpoint is ours and not await ours.reset_prefix_cache():
+                    print(f"note: our engine refused to reset its prefix cache before {name}", file=sys.stderr)
+                bar = ProgressBar(f"{name} ({system})", len(batch))
+                run = await drive(endpoint, batch, config.concurrency, TenantSalts(outcome.options.tenants),
+                                  on_done=bar.advance)
+                bar.close()
+                summaries[system][name] = summarize(run.records, run.evictions if endpoint is ours else None)
+            systems.reverse()
+    return outcome.description, summaries
 
 
 def throughput_verdict(ours: dict[str, RunSummary], theirs: dict[str, RunSummary]) -> str:
@@ -212,28 +229,32 @@ def main(argv: list[str] | None = None) -> int:
     options = WorkloadOptions(num_requests=args.num_requests, seed=args.seed, tenants=args.tenants,
                               output_len=args.output_len, prefix_len=args.prefix_len, suffix_len=args.suffix_len,
                               turns=args.turns)
-    config = BenchConfig(workloads=workloads, options=options, concurrency=args.concurrency, target=args.target,
-                         local=LocalSettings(dtype=args.dtype, kv_cache_memory=args.kv_cache_memory))
-    ours = asyncio.run(run_session(config))
-
+    config = BenchConfig(workloads=workloads, options=options, concurrency=args.concurrency, target=args.target)
+    local = LocalSettings(dtype=args.dtype, kv_cache_memory=args.kv_cache_memory)
     server = VllmServer(args.vllm_python, ensure_default_model(), args.dtype, args.vllm_kv_cache_gib,
                         args.vllm_startup_timeout)
     try:
-        server.wait_ready()
-        theirs = asyncio.run(run_vllm(VllmEndpoint(server.port), ours.requests, args.concurrency, args.tenants,
-                                      config.warmup_requests))
+        description, summaries = asyncio.run(_run_both(config, local, server))
     finally:
         server.stop()
 
-    summaries = {"vllm": theirs, "prefixcache": {n: r.summaries[CACHE] for n, r in ours.results.items()}}
-    print(f"engine: {ours.description.get('engine')}; vLLM dtype {args.dtype}")
+    print(f"engine: {description.get('engine')}; vLLM dtype {args.dtype}")
     print(render_systems(summaries, baseline="vllm"))
-    print(throughput_verdict(summaries["prefixcache"], theirs))
+    print(throughput_verdict(summaries["prefixcache"], summaries["vllm"]))
     if args.json:
-        document = {"config": ours.description,
+        document = {"config": description,
                     "systems": {s: {w: summary.to_json() for w, summary in per.items()} for s, per in summaries.items()}}
         Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
     return 0
+
+
+async def _run_both(config: BenchConfig, local: LocalSettings, server: VllmServer
+                    ) -> tuple[dict[str, object], dict[str, dict[str, RunSummary]]]:
+    """Both systems up at once (vLLM starting while our platform does), then `run_interleaved`."""
+    async with contextlib.AsyncExitStack() as stack:
+        target = config.target or await stack.enter_async_context(local_platform(local, prefix_caching=True))
+        await asyncio.to_thread(server.wait_ready)
+        return await run_interleaved(config, target, VllmEndpoint(server.port))
 
 
 if __name__ == "__main__":

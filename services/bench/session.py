@@ -8,7 +8,7 @@ import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 
-from prefixcache.services.bench.driver import TenantSalts, drive
+from prefixcache.services.bench.driver import StreamingEndpoint, TenantSalts, drive
 from prefixcache.services.bench.engine import EngineEndpoint, EngineFacts
 from prefixcache.services.bench.local_platform import LocalSettings, local_platform
 from prefixcache.services.bench.metrics import summarize
@@ -101,7 +101,8 @@ async def _engine_target(config: BenchConfig, mode: str) -> AsyncIterator[tuple[
             yield target, True
 
 
-async def _warm_up(endpoint: EngineEndpoint, options: WorkloadOptions, count: int) -> None:
+async def warm_up(endpoint: StreamingEndpoint, options: WorkloadOptions, count: int) -> None:
+    """`count` unique requests of their own seed and salt, so that nothing they leave is reused."""
     if count == 0:
         return
     warmup = generate("unique", replace(options, num_requests=count, seed=options.seed + 1_000_003, tenants=1))
@@ -147,7 +148,7 @@ def plan_workloads(config: BenchConfig, facts: EngineFacts, outcome: BenchOutcom
 
 async def _run_mode(config: BenchConfig, endpoint: EngineEndpoint, mode: str, owned: bool, outcome: BenchOutcome,
                     note: Callable[[str], None]) -> None:
-    await _warm_up(endpoint, outcome.options, config.warmup_requests)
+    await warm_up(endpoint, outcome.options, config.warmup_requests)
     reset = owned if config.reset_between_workloads is None else config.reset_between_workloads
     for name, requests in outcome.requests.items():
         if reset and not await endpoint.reset_prefix_cache():
