@@ -14,9 +14,11 @@ projections (F.linear / transposed / blocked):
     float32   1 row 24.5 / 21.7 / 28.5   8 rows 55.3 / 45.0 / 36.3   64 rows 96.5 / 87.7 / 120.1
     bfloat16  1 row 27.7 / 32.0 / 20.1   8 rows 38.2 / 41.2 / 29.1   256 rows 410 / 408 / 387
 
-and the tied 49,152-row logits head, float32, 8 rows: 18.8 / 11.6 / 7.8. So bfloat16 weights live
-only in the blocked layout; float32 weights are kept transposed, plus a blocked copy for 2-32 rows
-when memory allows (it doubles the projections' footprint).
+and the tied 49,152-row logits head, float32, 8 rows: 18.8 / 11.6 / 7.8. The two float32 layouts
+cross over at 3-4 rows (all projections and the head, transposed / blocked: 2 rows 27.5 / 28.4, 3 rows
+28.5 / 31.1, 4 rows 39.7 / 35.5, 6 rows 45.0 / 36.4). So bfloat16 weights live only in the blocked
+layout; float32 weights are kept transposed, plus a blocked copy for 4-32 rows when memory allows (it
+doubles the projections' footprint).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from torch import nn
 
 from prefixcache.services.worker.kv_memory import free_device_memory
 
-FLOAT32_BLOCKED_ROWS = range(2, 33)
+FLOAT32_BLOCKED_ROWS = range(4, 33)
 ALL_ROWS = range(0, sys.maxsize)
 _BLOCKED_HINT_ROWS = 8  # the row count oneDNN tunes its reorder for
 # The float32 blocked copy is kept while all projections' weights take at most this share of the
