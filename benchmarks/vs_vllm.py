@@ -168,14 +168,14 @@ async def run_interleaved(config: BenchConfig, our_target: str, theirs: VllmEndp
     summaries: dict[str, dict[str, RunSummary]] = {"vllm": {}, "prefixcache": {}}
     async with EngineEndpoint(our_target, config.request_timeout_s) as ours:
         outcome = BenchOutcome({name: WorkloadResult() for name in config.workloads})
-        plan_workloads(config, await ours.describe(), outcome, note=lambda text: print(f"note: {text}", file=sys.stderr))
+        plan_workloads(config, await ours.describe(), outcome, note=_note)
         for endpoint in (ours, theirs):
             await warm_up(endpoint, outcome.options, config.warmup_requests)
         systems: list[tuple[str, StreamingEndpoint]] = [("prefixcache", ours), ("vllm", theirs)]
         for name, batch in outcome.requests.items():
             for system, endpoint in systems:
                 if endpoint is ours and not await ours.reset_prefix_cache():
-                    print(f"note: our engine refused to reset its prefix cache before {name}", file=sys.stderr)
+                    _note(f"our engine refused to reset its prefix cache before {name}")
                 bar = ProgressBar(f"{name} ({system})", len(batch))
                 run = await drive(endpoint, batch, config.concurrency, TenantSalts(outcome.options.tenants),
                                   on_done=bar.advance)
@@ -183,6 +183,10 @@ async def run_interleaved(config: BenchConfig, our_target: str, theirs: VllmEndp
                 summaries[system][name] = summarize(run.records, run.evictions if endpoint is ours else None)
             systems.reverse()
     return outcome.description, summaries
+
+
+def _note(text: str) -> None:
+    print(f"note: {text}", file=sys.stderr)
 
 
 def throughput_verdict(ours: dict[str, RunSummary], theirs: dict[str, RunSummary]) -> str:

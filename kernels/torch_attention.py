@@ -23,10 +23,11 @@ read as a view of the cache instead, with no copy at all (a batch-1 decode step 
 39.9 to 36.7 ms at a 1k-token context, 52.1 to 44.3 ms at 3k). Its values and strides are those the
 gather would produce, so the result is the same to the bit. Decodes grouped into one call still gather:
 one call per decode over views was slower (batch 4 at 900 positions: 80 against 71 ms a step), as a
-single decode gives the flash kernel only one work item per key/value head to spread over the threads. A padded decode group therefore reads, masked out,
-the unused tail of each shorter member's last block: a cache must hold finite values in every slot
-of the blocks in a table (`allocate_kv_cache` zero-fills; stale keys and values are finite), since a
-zero weight times NaN is still NaN.
+single decode gives the flash kernel only one work item per key/value head to spread over the threads.
+
+A padded decode group reads, masked out, the unused tail of each shorter member's last block: a cache
+must hold finite values in every slot of the blocks in a table (`allocate_kv_cache` zero-fills; stale
+keys and values are finite), since a zero weight times NaN is still NaN.
 
 GQA costs no copies: the query heads of one key/value head are consecutive, so a `[.., num_q_heads, D]`
 query viewed as `[.., num_kv_heads, group, D]` is a batch of `group` queries per key/value head. SDPA
@@ -111,7 +112,8 @@ class TorchAttentionPlan:
                 positions = torch.arange(seq_len, device=device)
                 query_positions = torch.arange(seq_len - query_len, seq_len, device=device)
                 visible = positions[None, :] <= query_positions[:, None]
-                context.append(ContextPrefill(tokens, blocks, _first_if_consecutive(blocks.tolist()), seq_len, visible))
+                first_block = _first_if_consecutive(blocks.tolist())
+                context.append(ContextPrefill(tokens, blocks, first_block, seq_len, visible))
             start += query_len
         cascades, decodes = _find_cascades(meta, decodes, block_size)
         batches = [_decode_batch(meta, group, block_size) for group in _group_decodes(decodes)]
@@ -226,7 +228,8 @@ def attend_torch(
         output[rows] = _sdpa_prefill(query[rows], key[rows], value[rows], None, scale)
     for prefill in plan.context_prefills:
         rows = prefill.tokens
-        keys = _read_blocks(key_cache, prefill.blocks, prefill.first_block)[: prefill.seq_len]  # [seq_len, kv heads, D]
+        # [seq_len, num_kv_heads, D]
+        keys = _read_blocks(key_cache, prefill.blocks, prefill.first_block)[: prefill.seq_len]
         values = _read_blocks(value_cache, prefill.blocks, prefill.first_block)[: prefill.seq_len]
         output[rows] = _sdpa_prefill(query[rows], keys, values, prefill.visible, scale)
     for decodes in plan.decode_batches:

@@ -192,7 +192,7 @@ def encode_uint_arrays(values: Sequence[int], length: int, suffix: bytes = b"") 
 
 @dataclass(frozen=True)
 class _ArrayLayout:
-    """Rows of `head | length items of `item_width` bytes | suffix`, one row per array."""
+    """One row per array: `head`, then `length` items of a fixed width, then `suffix`."""
 
     head: bytes
     length: int
