@@ -98,7 +98,6 @@ class TorchAttentionPlan:
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int) -> TorchAttentionPlan:
-        device = meta.block_tables.device
         fresh: list[FreshPrefill] = []
         context: list[ContextPrefill] = []
         decodes: list[Decode] = []
