@@ -174,7 +174,9 @@ async def run_interleaved(config: BenchConfig, our_target: str, theirs: VllmEndp
         systems: list[tuple[str, StreamingEndpoint]] = [("prefixcache", ours), ("vllm", theirs)]
         for name, batch in outcome.requests.items():
             for system, endpoint in systems:
-                if endpoint is ours and not await ours.reset_prefix_cache():
+                # Our own platform starts each workload empty; a --target engine is someone's to keep
+                # (fresh salts already keep one workload from reusing another's blocks).
+                if endpoint is ours and config.target is None and not await ours.reset_prefix_cache():
                     _note(f"our engine refused to reset its prefix cache before {name}")
                 bar = ProgressBar(f"{name} ({system})", len(batch))
                 run = await drive(endpoint, batch, config.concurrency, TenantSalts(outcome.options.tenants),
