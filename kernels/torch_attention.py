@@ -1,4 +1,4 @@
-"""The fast torch path for serving on CPU: gather over the block table, then scaled-dot-product attention.
+"""The fast torch path for serving on CPU: read over the block table, then scaled-dot-product attention.
 
 Per step, the batch splits three ways (`TorchAttentionPlan`, built once and shared by every layer):
 
