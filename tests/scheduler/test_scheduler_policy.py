@@ -45,31 +45,49 @@ def run_to_completion(scheduler: Scheduler, max_steps=200):
 def test_unified_steps_chunk_a_long_prompt_under_the_token_budget():
     scheduler = make_scheduler(max_num_batched_tokens=10)
     scheduler.add_request(request("a", range(10, 17)))  # 7 tokens
-    scheduler.add_request(request("b", range(20, 29)))  # 9 tokens
+    step = scheduler.schedule()
+    answer(scheduler, step)
+    scheduler.add_request(request("b", range(20, 33)))  # 13 tokens: more than the budget
 
     step = scheduler.schedule()
-    assert step.num_scheduled_tokens == {"a": 7, "b": 3}  # b gets what the budget leaves
-    assert [(r.request_id, r.block_ids, r.num_computed_tokens) for r in step.new_requests] == [
-        ("a", [0, 1], 0),
-        ("b", [2], 0),
-    ]
-    assert step.new_requests[1].token_ids == list(range(20, 29))  # the whole prompt, sent once
+    assert step.num_scheduled_tokens == {"a": 1, "b": 9}  # a decodes, b gets what the budget leaves
+    assert [(r.request_id, r.block_ids, r.num_computed_tokens) for r in step.new_requests] == [("b", [2, 3, 4], 0)]
+    assert step.new_requests[0].token_ids == list(range(20, 33))  # the whole prompt, sent once
     outputs = answer(scheduler, step)
     assert [(o.request_id, o.new_token_ids) for o in outputs] == [("a", [7])]  # b is mid-prefill
 
     step = scheduler.schedule()
     assert step.new_requests == []
-    assert step.num_scheduled_tokens == {"a": 1, "b": 6}  # a decodes, b finishes its prompt
+    assert step.num_scheduled_tokens == {"a": 1, "b": 4}  # a decodes, b finishes its prompt
     assert [(r.request_id, r.new_block_ids, r.num_computed_tokens) for r in step.cached_requests] == [
-        ("a", [], 7),
-        ("b", [3, 4], 3),
+        ("a", [5], 8),  # a's 9th token starts its third block
+        ("b", [6], 9),
     ]
     outputs = answer(scheduler, step)
     assert [(o.request_id, o.new_token_ids) for o in outputs] == [("a", [7]), ("b", [7])]
 
     step = scheduler.schedule()
     assert step.num_scheduled_tokens == {"a": 1, "b": 1}
-    assert [(r.request_id, r.new_block_ids) for r in step.cached_requests] == [("a", [5]), ("b", [])]
+
+
+def test_a_prompt_that_would_not_finish_waits_rather_than_slow_down_the_prompts_in_the_step():
+    scheduler = make_scheduler(max_num_batched_tokens=10)
+    scheduler.add_request(request("a", range(10, 17)))  # 7 tokens
+    scheduler.add_request(request("b", range(20, 29)))  # 9 tokens: only 3 would fit beside a
+    scheduler.add_request(request("c", range(30, 32)))  # 2 tokens: would fit, but comes after b
+
+    step = scheduler.schedule()
+    assert step.num_scheduled_tokens == {"a": 7}  # a chunk of b would only make a's step longer
+    assert [r.request_id for r in scheduler.waiting] == ["b", "c"]
+    answer(scheduler, step)
+
+    step = scheduler.schedule()
+    assert step.num_scheduled_tokens == {"a": 1, "b": 9}  # b whole, in the next step
+    answer(scheduler, step)
+    step = scheduler.schedule()
+    assert step.num_scheduled_tokens == {"a": 1, "b": 1, "c": 2}
+    run_to_completion(scheduler)
+    assert scheduler.kv_cache.num_free_blocks == 16
 
 
 def test_max_num_seqs_holds_requests_in_waiting_until_one_finishes():
