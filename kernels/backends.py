@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from .decode_staging import DecodeStaging
 from .metadata import AttentionMetadata
 from .reference import paged_attention_reference, reshape_and_cache_reference
 from .torch_attention import TorchAttentionPlan, attend_torch, write_kv_torch
@@ -84,6 +85,10 @@ class _CheckedBackend:
 class TorchAttentionBackend(_CheckedBackend):
     name = "torch"
 
+    def __init__(self, decode_staging_positions: int = 0) -> None:
+        # Decode groups' keys and values kept between steps (none by default): one backend per cache.
+        self._staging = DecodeStaging(decode_staging_positions) if decode_staging_positions else None
+
     def _write_kv(self, key, value, key_cache, value_cache, slot_mapping):
         write_kv_torch(key, value, key_cache, value_cache, slot_mapping)
 
@@ -91,7 +96,8 @@ class TorchAttentionBackend(_CheckedBackend):
         block_size = key_cache.shape[1]
         plan = meta.backend_cache.get((self.name, block_size))
         if plan is None:
-            plan = meta.backend_cache[(self.name, block_size)] = TorchAttentionPlan.build(meta, block_size)
+            plan = meta.backend_cache[(self.name, block_size)] = TorchAttentionPlan.build(meta, block_size,
+                                                                                            self._staging)
         return attend_torch(query, key, value, key_cache, value_cache, plan, scale)
 
 
@@ -128,13 +134,18 @@ class TritonAttentionBackend(_CheckedBackend):
         )
 
 
-def get_attention_backend(name: str | None = None, device: torch.device | str = "cpu") -> AttentionBackend:
-    """The backend called `name` for tensors on `device`; `None` or "auto" picks Triton on CUDA, else torch."""
+def get_attention_backend(name: str | None = None, device: torch.device | str = "cpu",
+                          decode_staging_positions: int = 0) -> AttentionBackend:
+    """The backend called `name` for tensors on `device`; `None` or "auto" picks Triton on CUDA, else torch.
+
+    `decode_staging_positions` lets the torch backend keep decode groups' keys and values between
+    steps, that many positions per layer at most (see `decode_staging`); other backends read the
+    paged cache in place and ignore it."""
     device = torch.device(device)
     if name is None or name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        return TorchAttentionBackend()
+        return TorchAttentionBackend(decode_staging_positions)
     if name == "reference":
         return ReferenceAttentionBackend()
     if name == "triton":

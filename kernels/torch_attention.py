@@ -24,9 +24,11 @@ per-position gather in far fewer, larger copies. A sequence whose blocks are con
 the free queue hands out runs, and a conversation's next turn finds its history where it left it) is
 read as a view of the cache instead, with no copy at all (a batch-1 decode step of SmolLM2 went from
 39.9 to 36.7 ms at a 1k-token context, 52.1 to 44.3 ms at 3k). Its values and strides are those the
-gather would produce, so the result is the same to the bit. Decodes grouped into one call still gather:
-one call per decode over views was slower (batch 4 at 900 positions: 80 against 71 ms a step), as a
-single decode gives the flash kernel only one work item per key/value head to spread over the threads.
+gather would produce, so the result is the same to the bit. Decodes grouped into one call gather
+(one call per decode over views was slower: batch 4 at 900 positions, 80 against 71 ms a step, as a
+single decode gives the flash kernel only one work item per key/value head to spread over the
+threads), but only once: with a `DecodeStaging`, a group that continues from the previous step
+extends its kept keys and values by one position per member (`decode_staging`).
 
 A padded decode group reads, masked out, the unused tail of each shorter member's last block: a cache
 must hold finite values in every slot of the blocks in a table (`allocate_kv_cache` zero-fills; stale
@@ -45,6 +47,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .decode_staging import DecodeStaging, StagedGroup
 from .metadata import AttentionMetadata
 
 # A decode group's padded size stays within this factor of the positions its members really have.
@@ -80,6 +83,8 @@ class DecodeBatch:
     first_block: int | None  # for one decode whose blocks are consecutive ids: the first (read as a view)
     max_len: int
     visible: torch.Tensor | None  # [num_decodes, 1, 1, max_len] bool; None when no row is padded
+    lens: list[int]  # each decode's positions (from the first block read)
+    staged: StagedGroup | None = None  # keys and values kept from the previous step (see `decode_staging`)
 
 
 @dataclass
@@ -97,7 +102,9 @@ class TorchAttentionPlan:
     cascades: list[CascadeDecodes]
 
     @classmethod
-    def build(cls, meta: AttentionMetadata, block_size: int) -> TorchAttentionPlan:
+    def build(cls, meta: AttentionMetadata, block_size: int, staging: DecodeStaging | None = None) -> TorchAttentionPlan:
+        """The plan of one step; with `staging`, decode groups keep their keys and values between
+        steps (CPU only)."""
         fresh: list[FreshPrefill] = []
         context: list[ContextPrefill] = []
         decodes: list[Decode] = []
@@ -115,7 +122,18 @@ class TorchAttentionPlan:
             start += query_len
         cascades, decodes = _find_cascades(meta, decodes, block_size)
         batches = [_decode_batch(meta, group, block_size) for group in _group_decodes(decodes)]
+        if staging is not None and meta.block_tables.device.type == "cpu":
+            _stage(batches, staging, block_size)
         return cls(fresh, context, batches, cascades)
+
+
+def _stage(batches: list[DecodeBatch], staging: DecodeStaging, block_size: int) -> None:
+    """Give every decode group that would gather a staged group, as far as the staging's budget goes."""
+    gathering = [batch for batch in batches if batch.first_block is None]
+    groups = [([row[: -(-n // block_size)] for row, n in zip(batch.blocks.tolist(), batch.lens)], batch.lens)
+              for batch in gathering]
+    for batch, staged in zip(gathering, staging.stage(groups, block_size)):
+        batch.staged = staged
 
 
 def _find_cascades(
@@ -185,7 +203,7 @@ def _decode_batch(meta: AttentionMetadata, group: list[Decode], block_size: int,
         owned = torch.arange(num_blocks, device=device)[None, :] < -(-lens_tensor // block_size)
         blocks = torch.where(owned, blocks, blocks[:, :1])
         visible = (torch.arange(max_len, device=device)[None, :] < lens_tensor)[:, None, None, :]
-    return DecodeBatch(torch.tensor(tokens, device=device), blocks, first_block, max_len, visible)
+    return DecodeBatch(torch.tensor(tokens, device=device), blocks, first_block, max_len, visible, lens)
 
 
 def _first_if_consecutive(block_ids: list[int]) -> int | None:
@@ -250,9 +268,12 @@ def _decode_inputs(
     num_kv_heads, head_dim = key_cache.shape[2:]
     num_decodes = decodes.blocks.shape[0]
     queries = query.index_select(0, decodes.token_index).view(num_decodes, num_kv_heads, -1, head_dim)
-    keys = _read_blocks(key_cache, decodes.blocks, decodes.first_block)[:, : decodes.max_len].transpose(1, 2)
-    values = _read_blocks(value_cache, decodes.blocks, decodes.first_block)[:, : decodes.max_len].transpose(1, 2)
-    return queries, keys, values
+    if decodes.staged is not None:
+        keys, values = decodes.staged.read(key_cache, value_cache, decodes.blocks, decodes.max_len)
+    else:
+        keys = _read_blocks(key_cache, decodes.blocks, decodes.first_block)[:, : decodes.max_len]
+        values = _read_blocks(value_cache, decodes.blocks, decodes.first_block)[:, : decodes.max_len]
+    return queries, keys.transpose(1, 2), values.transpose(1, 2)
 
 
 def _attend_cascade(

@@ -32,6 +32,7 @@ from prefixcache.services.common.step import (
     SchedulerStep,
     StepOutput,
 )
+from prefixcache.services.worker.kv_memory import free_device_memory
 from prefixcache.services.worker.loader import load_model, parse_dtype
 from prefixcache.services.worker.sampler import make_generator, sample, validate_sampling
 
@@ -77,6 +78,7 @@ class ModelRunner:
             torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
         self.dtype_name = dtype
         self.dtype = parse_dtype(dtype)
+        self.attention_backend = attention_backend
         self.backend = get_attention_backend(attention_backend, self.device)
         loaded = load_model(model_dir, dtype, str(self.device))
         self.model = loaded.model
@@ -115,6 +117,22 @@ class ModelRunner:
                                            config.head_dim, self.dtype, self.device)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.requests.clear()
+        # A fresh backend: nothing it kept may outlive the cache it was read from.
+        self.backend = get_attention_backend(self.attention_backend, self.device, self._decode_staging_positions())
+
+    def _decode_staging_positions(self) -> int:
+        """Positions the CPU path may keep staged for decodes (`kernels/decode_staging.py`): half the
+        cache's, and no more than half the memory still free once the cache is allocated."""
+        if self.device.type != "cpu":
+            return 0
+        config = self.config
+        bytes_per_position = kv_cache_bytes_per_block(config.num_layers, 1, config.num_kv_heads, config.head_dim,
+                                                      self.dtype)
+        try:
+            free = free_device_memory(self.device)
+        except (OSError, RuntimeError):  # cannot tell: stage nothing
+            return 0
+        return min(self.num_blocks * self.block_size // 2, free // 2 // bytes_per_position)
 
     def execute(self, step: SchedulerStep) -> StepOutput:
         if not self.kv_caches:
