@@ -83,7 +83,7 @@ class DecodeBatch:
     first_block: int | None  # for one decode whose blocks are consecutive ids: the first (read as a view)
     max_len: int
     visible: torch.Tensor | None  # [num_decodes, 1, 1, max_len] bool; None when no row is padded
-    lens: list[int]  # each decode's positions (from the first block read)
+    lens: list[int]  # each decode's positions read (a cascade tail's: after the shared blocks)
     staged: StagedGroup | None = None  # keys and values kept from the previous step (see `decode_staging`)
 
 
