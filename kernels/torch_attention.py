@@ -123,7 +123,7 @@ class TorchAttentionPlan:
         cascades, decodes = _find_cascades(meta, decodes, block_size)
         batches = [_decode_batch(meta, group, block_size) for group in _group_decodes(decodes)]
         if staging is not None and meta.block_tables.device.type == "cpu":
-            _stage(batches, staging, block_size)
+            _stage(batches + [cascade.tails for cascade in cascades], staging, block_size)
         return cls(fresh, context, batches, cascades)
 
 

@@ -17,7 +17,7 @@ from prefixcache.kernels.backends import TorchAttentionBackend
 from prefixcache.kernels.decode_staging import DecodeStaging
 
 BLOCK = 4
-NUM_BLOCKS = 64
+NUM_BLOCKS = 96
 KV_HEADS, QUERIES_PER_KV, HEAD_DIM = 2, 3, 8
 LAYERS = 2
 
@@ -25,13 +25,14 @@ LAYERS = 2
 class Decodes:
     """Sequences decoding one token a step over scattered blocks of two layers' caches."""
 
-    def __init__(self, lens: list[int], seed: int = 0) -> None:
+    def __init__(self, lens: list[int], seed: int = 0, shared_blocks: int = 0) -> None:
         self.rng = random.Random(seed)
         self.generator = torch.Generator().manual_seed(seed)
         shape = (NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
         self.caches = [(self.random(*shape), self.random(*shape)) for _ in range(LAYERS)]
         self.free = list(range(NUM_BLOCKS))
         self.rng.shuffle(self.free)
+        self.shared = [self.free.pop() for _ in range(shared_blocks)]  # a cached prefix every sequence starts with
         self.lens: list[int] = []
         self.tables: list[list[int]] = []
         for length in lens:
@@ -43,11 +44,12 @@ class Decodes:
     def join(self, length: int) -> None:
         """A sequence whose first `length - 1` positions are in the cache starts decoding."""
         self.lens.append(length - 1)
-        self.tables.append([self.free.pop() for _ in range(-(-(length - 1) // BLOCK))])
+        own_blocks = -(-(length - 1) // BLOCK) - len(self.shared)
+        self.tables.append(self.shared + [self.free.pop() for _ in range(own_blocks)])
 
     def leave(self, index: int) -> None:
         del self.lens[index]
-        self.free.extend(self.tables.pop(index))
+        self.free.extend(self.tables.pop(index)[len(self.shared):])
 
     def step(self, backends: list[TorchAttentionBackend], attend_layers: range = range(LAYERS)) -> list[list[torch.Tensor]]:
         """One decode for every sequence; per backend, the attention output of each layer in `attend_layers`
@@ -101,6 +103,18 @@ def test_staged_decodes_match_gathers_bit_for_bit_as_they_grow_join_and_leave():
     decodes.join(14)
     for _ in range(3):
         assert_same(decodes.step(backends))
+
+
+def test_the_own_tails_of_decodes_sharing_a_prefix_are_staged_too():
+    """Decodes over 48 shared blocks attend to them once (a cascade); each one's tail is staged."""
+    decodes = Decodes([200, 203, 207], seed=4, shared_blocks=48)
+    staging, gathering = TorchAttentionBackend(decode_staging_positions=10_000), TorchAttentionBackend()
+    assert_same(decodes.step([staging, gathering]))
+    [group] = staged_groups(staging)
+    assert [table[0] for table in group.tables] != [decodes.shared[0]] * 3  # the tails, not whole tables
+    for _ in range(5):
+        assert_same(decodes.step([staging, gathering]))
+        assert staged_groups(staging) == [group]
 
 
 def test_a_member_replaced_on_the_same_first_block_is_gathered_afresh():
