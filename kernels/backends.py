@@ -85,9 +85,9 @@ class _CheckedBackend:
 class TorchAttentionBackend(_CheckedBackend):
     name = "torch"
 
-    def __init__(self, decode_staging_positions: int = 0) -> None:
+    def __init__(self, staging: DecodeStaging | None = None) -> None:
         # Decode groups' keys and values kept between steps (none by default): one backend per cache.
-        self._staging = DecodeStaging(decode_staging_positions) if decode_staging_positions else None
+        self._staging = staging
 
     def _write_kv(self, key, value, key_cache, value_cache, slot_mapping):
         write_kv_torch(key, value, key_cache, value_cache, slot_mapping)
@@ -145,7 +145,7 @@ def get_attention_backend(name: str | None = None, device: torch.device | str = 
     if name is None or name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        return TorchAttentionBackend(decode_staging_positions)
+        return TorchAttentionBackend(DecodeStaging(decode_staging_positions) if decode_staging_positions else None)
     if name == "reference":
         return ReferenceAttentionBackend()
     if name == "triton":

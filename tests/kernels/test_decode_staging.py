@@ -74,6 +74,10 @@ class Decodes:
         return outputs
 
 
+def staging_backend(max_positions: int = 10_000, min_group_positions: int = 0) -> TorchAttentionBackend:
+    return TorchAttentionBackend(DecodeStaging(max_positions, min_group_positions))
+
+
 def staged_groups(backend: TorchAttentionBackend) -> list:
     return list(backend._staging._groups.values())
 
@@ -85,7 +89,7 @@ def assert_same(outputs: list[list[torch.Tensor]]) -> None:
 
 def test_staged_decodes_match_gathers_bit_for_bit_as_they_grow_join_and_leave():
     decodes = Decodes([9, 11, 12])
-    staging, gathering = TorchAttentionBackend(decode_staging_positions=10_000), TorchAttentionBackend()
+    staging, gathering = staging_backend(), TorchAttentionBackend()
     backends = [staging, gathering]
 
     assert_same(decodes.step(backends))
@@ -108,7 +112,7 @@ def test_staged_decodes_match_gathers_bit_for_bit_as_they_grow_join_and_leave():
 def test_the_own_tails_of_decodes_sharing_a_prefix_are_staged_too():
     """Decodes over 48 shared blocks attend to them once (a cascade); each one's tail is staged."""
     decodes = Decodes([200, 203, 207], seed=4, shared_blocks=48)
-    staging, gathering = TorchAttentionBackend(decode_staging_positions=10_000), TorchAttentionBackend()
+    staging, gathering = staging_backend(), TorchAttentionBackend()
     assert_same(decodes.step([staging, gathering]))
     [group] = staged_groups(staging)
     assert [table[0] for table in group.tables] != [decodes.shared[0]] * 3  # the tails, not whole tables
@@ -120,7 +124,7 @@ def test_the_own_tails_of_decodes_sharing_a_prefix_are_staged_too():
 def test_a_member_replaced_on_the_same_first_block_is_gathered_afresh():
     """Decodes sharing a prefix block: one finishes and another, one position longer, takes its place."""
     decodes = Decodes([9, 10], seed=3)
-    staging, gathering = TorchAttentionBackend(decode_staging_positions=10_000), TorchAttentionBackend()
+    staging, gathering = staging_backend(), TorchAttentionBackend()
     assert_same(decodes.step([staging, gathering]))  # lens 9 and 10
     first_block = decodes.tables[0][0]
     decodes.leave(0)
@@ -133,7 +137,7 @@ def test_a_member_replaced_on_the_same_first_block_is_gathered_afresh():
 def test_a_layer_that_missed_a_step_gathers_again():
     """As after a step that failed half-way: one layer's buffers are a step behind the others."""
     decodes = Decodes([9, 10], seed=1)
-    staging, gathering = TorchAttentionBackend(decode_staging_positions=10_000), TorchAttentionBackend()
+    staging, gathering = staging_backend(), TorchAttentionBackend()
     assert_same(decodes.step([staging, gathering]))
     decodes.step([staging], attend_layers=range(1))  # layer 1's keys and values written, never attended
     assert_same(decodes.step([staging, gathering]))
@@ -141,10 +145,20 @@ def test_a_layer_that_missed_a_step_gathers_again():
 
 def test_groups_beyond_the_budget_gather_every_step():
     decodes = Decodes([9, 10, 11], seed=2)
-    staging, gathering = TorchAttentionBackend(decode_staging_positions=8), TorchAttentionBackend()
+    staging, gathering = staging_backend(max_positions=8), TorchAttentionBackend()
     for _ in range(3):
         assert_same(decodes.step([staging, gathering]))
         assert staged_groups(staging) == []
+
+
+def test_small_groups_gather_every_step():
+    decodes = Decodes([9, 10, 11], seed=5)
+    staging, gathering = staging_backend(min_group_positions=3 * 13), TorchAttentionBackend()
+    assert_same(decodes.step([staging, gathering]))  # 3 x 11 positions
+    assert staged_groups(staging) == []
+    decodes.step([staging, gathering])
+    assert_same(decodes.step([staging, gathering]))  # 3 x 13
+    assert len(staged_groups(staging)) == 1
 
 
 def test_negative_budget_is_refused():
