@@ -94,11 +94,12 @@ class StagedGroup:
 
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         members, num_blocks = blocks.shape
-        # Zero-filled: past a member's own positions lie masked slots, which must hold finite values.
-        buffer = cache.new_zeros(members, self.capacity, *cache.shape[2:])
-        gathered = cache.index_select(0, blocks.reshape(-1)).view(members, num_blocks * self.block_size,
-                                                                  *cache.shape[2:])
-        buffer[:, : gathered.shape[1]] = gathered
+        num_gathered = num_blocks * self.block_size
+        buffer = cache.new_empty(members, self.capacity, *cache.shape[2:])
+        buffer[:, :num_gathered] = cache.index_select(0, blocks.reshape(-1)).view(members, num_gathered,
+                                                                                   *cache.shape[2:])
+        # Past a member's own positions lie masked slots, which must hold finite values.
+        buffer[:, num_gathered:] = 0
         return buffer
 
 
