@@ -102,7 +102,8 @@ class TorchAttentionPlan:
     cascades: list[CascadeDecodes]
 
     @classmethod
-    def build(cls, meta: AttentionMetadata, block_size: int, staging: DecodeStaging | None = None) -> TorchAttentionPlan:
+    def build(cls, meta: AttentionMetadata, block_size: int,
+              staging: DecodeStaging | None = None) -> TorchAttentionPlan:
         """The plan of one step; with `staging`, decode groups keep their keys and values between
         steps (CPU only)."""
         fresh: list[FreshPrefill] = []

@@ -51,7 +51,8 @@ class Decodes:
         del self.lens[index]
         self.free.extend(self.tables.pop(index)[len(self.shared):])
 
-    def step(self, backends: list[TorchAttentionBackend], attend_layers: range = range(LAYERS)) -> list[list[torch.Tensor]]:
+    def step(self, backends: list[TorchAttentionBackend],
+             attend_layers: range = range(LAYERS)) -> list[list[torch.Tensor]]:
         """One decode for every sequence; per backend, the attention output of each layer in `attend_layers`
         (every layer's keys and values are written)."""
         for index, length in enumerate(self.lens):
