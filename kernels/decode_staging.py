@@ -55,6 +55,7 @@ class StagedGroup:
     capacity: int  # positions per member in the buffers
     block_size: int
     _layers: dict[int, _LayerBuffers] = field(default_factory=dict)  # by the layer's key cache address
+    _previous_lens: list[int] = field(default_factory=list)  # what a layer's buffers hold if it can append
     _newest: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # members, positions, cache slots
 
     def continues_as(self, tables: list[list[int]], lens: list[int]) -> bool:
@@ -68,6 +69,7 @@ class StagedGroup:
 
     def advance(self, tables: list[list[int]], lens: list[int]) -> None:
         """Move to this step: each member gained one position, its newest."""
+        self._previous_lens = [length - 1 for length in lens]
         self.tables, self.lens = tables, lens
         positions = [length - 1 for length in lens]
         slots = [table[p // self.block_size] * self.block_size + p % self.block_size
@@ -80,10 +82,10 @@ class StagedGroup:
         """This layer's keys and values, `[members, max_len, num_kv_heads, head_dim]` each.
 
         `blocks` is the group's padded block table (what a gather would read); the cache already
-        holds this step's keys and values."""
+        holds this step's keys and values. `advance` must have been called for this step."""
         layer = key_cache.data_ptr()
         buffers = self._layers.get(layer)
-        if buffers is not None and self._newest is not None and buffers.lens == [n - 1 for n in self.lens]:
+        if buffers is not None and buffers.lens == self._previous_lens:
             members, positions, slots = self._newest
             num_kv_heads, head_dim = key_cache.shape[2:]
             buffers.keys[members, positions] = key_cache.view(-1, num_kv_heads, head_dim)[slots]

@@ -101,9 +101,13 @@ class ModelRunner:
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
             eos_token_ids=config.eos_token_ids,
-            bytes_per_block_token=kv_cache_bytes_per_block(config.num_layers, 1, config.num_kv_heads,
-                                                           config.head_dim, self.dtype),
+            bytes_per_block_token=self._kv_bytes_per_token(),
         )
+
+    def _kv_bytes_per_token(self) -> int:
+        """Bytes one token's keys and values take in the cache, all layers together."""
+        config = self.config
+        return kv_cache_bytes_per_block(config.num_layers, 1, config.num_kv_heads, config.head_dim, self.dtype)
 
     def num_blocks_for_memory(self, memory_bytes: int, block_size: int) -> int:
         config = self.config
@@ -125,14 +129,11 @@ class ModelRunner:
         cache's, and no more than half the memory still free once the cache is allocated."""
         if self.device.type != "cpu":
             return 0
-        config = self.config
-        bytes_per_position = kv_cache_bytes_per_block(config.num_layers, 1, config.num_kv_heads, config.head_dim,
-                                                      self.dtype)
         try:
             free = free_device_memory(self.device)
         except (OSError, RuntimeError):  # cannot tell: stage nothing
             return 0
-        return min(self.num_blocks * self.block_size // 2, free // 2 // bytes_per_position)
+        return min(self.num_blocks * self.block_size // 2, free // 2 // self._kv_bytes_per_token())
 
     def execute(self, step: SchedulerStep) -> StepOutput:
         if not self.kv_caches:
