@@ -188,6 +188,20 @@ def test_hash_block_replays_explicit_items_and_rejects_a_salt_after_block_zero()
         hasher.hash_block(None, [1, 2, 3], None, block_index=0)
 
 
+@pytest.mark.parametrize("items", [
+    [["salt", ""]],
+    [["lora", "", None]],
+    [["lora", "l", b""]],
+    [["mm", "", 0]],
+    [["embeds", b""]],
+    [["mm", "b", 1], ["mm", "a", 1]],
+    [["mm", "a", 5], ["mm", "b", -1]],
+])
+def test_hash_block_refuses_the_values_the_spec_gives_no_hash(items):
+    with pytest.raises(ValueError, match="extra\\[[01]\\]"):
+        BlockHasher(4, "sha256", "m").hash_block(None, [1, 2, 3, 4], items, block_index=0)
+
+
 @pytest.mark.parametrize("block_size", [0, -16, 3, 12, 1.0, True, 1 << 17])
 def test_block_size_must_be_a_power_of_two(block_size):
     with pytest.raises(ValueError, match="block_size"):
@@ -232,14 +246,28 @@ def test_bad_extras_name_the_field():
         BlockExtras(prompt_embeds_digests=("aa",))
 
 
+def test_a_block_filled_after_an_embeddings_prompt_keeps_the_digest_of_its_prompt_rows():
+    # 6 prompt tokens from embeddings, then 2 generated: block 1 holds prompt rows 4-5 and two
+    # generated tokens. Embeddings that differ only in rows 4-5 must not share its hash.
+    hasher = BlockHasher(4, "sha256", "m")
+    first = bytes(range(48))  # 6 rows x 8 bytes
+    second = first[:32] + bytes(16)
+    tokens = [0] * 6 + [7, 8]
+    hashes = [hasher.hash_blocks(tokens, BlockExtras(prompt_embeds_digests=digest_prompt_embeds(rows, 6, 4)))
+              for rows in (first, second)]
+    assert hashes[0][0] == hashes[1][0]
+    assert hashes[0][1] != hashes[1][1]
+
+
 def test_salt_never_appears_in_repr():
     assert "hunter2" not in repr(BlockExtras(cache_salt="hunter2"))
 
 
-def test_digest_prompt_embeds_covers_full_blocks_of_rows():
+def test_digest_prompt_embeds_covers_every_block_of_rows_the_last_up_to_the_prompt_end():
     rows = bytes(range(40))  # 10 tokens x 4 bytes
     digests = digest_prompt_embeds(rows, num_tokens=10, block_size=4)
-    assert digests == (hashlib.sha256(rows[:16]).digest(), hashlib.sha256(rows[16:32]).digest())
+    assert digests == tuple(hashlib.sha256(rows[start:start + 16]).digest() for start in (0, 16, 32))
+    assert len(digest_prompt_embeds(rows, num_tokens=10, block_size=2)) == 5
     with pytest.raises(ValueError, match="rows"):
         digest_prompt_embeds(rows, num_tokens=3, block_size=4)
 

@@ -60,8 +60,10 @@ class MultiModalItem:
 class BlockExtras:
     """Everything besides the token ids that changes a block's KV.
 
-    `prompt_embeds_digests[i]` is the digest of the prompt embeddings of block i (see
-    `digest_prompt_embeds`); blocks past the end of the tuple (generated tokens) have none.
+    `prompt_embeds_digests[i]` is the digest of block i's rows of the prompt embeddings (see
+    `digest_prompt_embeds`; the block holding the prompt's end has one for its prompt rows, so that
+    once generated tokens fill it, it still differs from a block of other embeddings); blocks past
+    the end of the tuple hold generated tokens only and have none.
     `lora_digest` names the adapter's exact weights; without it an adapter updated in place
     under the same name could be served stale KV. The salt is a tenant secret: it is kept out
     of `repr` and must never be logged.
@@ -125,17 +127,18 @@ NO_EXTRAS = BlockExtras()
 
 
 def digest_prompt_embeds(embeddings: bytes | memoryview, num_tokens: int, block_size: int) -> tuple[bytes, ...]:
-    """Per-full-block sha256 digests of a prompt's embeddings, for `BlockExtras.prompt_embeds_digests`.
+    """Per-block sha256 digests of a prompt's embeddings, for `BlockExtras.prompt_embeds_digests`.
 
     `embeddings` is the raw C-order buffer of a [num_tokens, hidden] tensor in its own dtype
-    (e.g. `tensor.numpy().tobytes()`); block i's digest covers rows [i*block_size, (i+1)*block_size).
+    (e.g. `tensor.numpy().tobytes()`); block i's digest covers rows [i*block_size, (i+1)*block_size),
+    and the last block's only the rows up to num_tokens when the prompt ends inside it.
     """
     view = memoryview(embeddings).cast("B")
     if num_tokens < 1 or len(view) % num_tokens:
         raise ValueError(f"embeddings of {len(view)} bytes do not split into {num_tokens} rows")
     stride = len(view) // num_tokens * block_size
     return tuple(hashlib.sha256(view[i * stride : (i + 1) * stride]).digest()
-                 for i in range(num_tokens // block_size))
+                 for i in range(-(-num_tokens // block_size)))
 
 
 def xxhash_seed_from_env(pythonhashseed: str | None) -> int | None:
@@ -284,6 +287,7 @@ class BlockHasher:
 
 def _check_extra_items(items: list[list], block_index: int) -> None:
     last_rank = -1
+    last_mm_offset: int | None = None
     for position, item in enumerate(items):
         tag = item[0] if item else None
         rank = _EXTRA_TAG_ORDER.get(tag) if isinstance(tag, str) else None
@@ -293,16 +297,25 @@ def _check_extra_items(items: list[list], block_index: int) -> None:
             raise ValueError(f"extra[{position}]: {tag!r} is out of order or repeated; "
                              "the order is lora, mm…, embeds, salt")
         last_rank = rank
+        # Strings and digests must be non-empty; a LoRA digest may be null ("Values that have no hash").
         valid = {
-            "lora": len(item) == 3 and isinstance(item[1], str) and isinstance(item[2], (bytes, type(None))),
-            "mm": len(item) == 3 and isinstance(item[1], str) and _is_int(item[2]),
-            "embeds": len(item) == 2 and isinstance(item[1], bytes),
-            "salt": len(item) == 2 and isinstance(item[1], str),
+            "lora": len(item) == 3 and _is_nonempty(item[1], str) and (item[2] is None or _is_nonempty(item[2], bytes)),
+            "mm": len(item) == 3 and _is_nonempty(item[1], str) and _is_int(item[2]),
+            "embeds": len(item) == 2 and _is_nonempty(item[1], bytes),
+            "salt": len(item) == 2 and _is_nonempty(item[1], str),
         }[tag]
         if not valid:
             raise ValueError(f"extra[{position}]: malformed {tag!r} item")
+        if tag == "mm":
+            if last_mm_offset is not None and item[2] <= last_mm_offset:
+                raise ValueError(f"extra[{position}]: mm items must be in prompt order (offsets increasing)")
+            last_mm_offset = item[2]
         if tag == "salt" and block_index != 0:
             raise ValueError(f"extra[{position}]: a salt belongs to block 0 only, not block {block_index}")
+
+
+def _is_nonempty(value: object, kind: type) -> bool:
+    return isinstance(value, kind) and len(value) > 0
 
 
 def _is_int(value: object) -> bool:
