@@ -53,6 +53,17 @@ def test_xxhash_reproduces_a_pinned_pythonhashseed():
     assert result.stderr == ""
 
 
+def test_xxhash_warns_whenever_the_seed_is_random():
+    for seed in (None, "", "random"):
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+        if seed is not None:
+            env["PYTHONHASHSEED"] = seed
+        result = block_hashes("--block-size", "4", "--hash-algo", "xxhash", "--model-id", "m", stdin="[1,2,3,4]",
+                              env=env)
+        assert result.returncode == 0 and len(result.stdout.splitlines()) == 1, result.stderr
+        assert "seeded randomly" in result.stderr, seed
+
+
 def test_bad_input_exits_2_with_a_message_naming_the_problem():
     cases = [
         (("--block-size", "12", "--model-id", "m"), "[1]", "block_size"),

@@ -10,7 +10,13 @@ import json
 import os
 import sys
 
-from prefixcache.services.common.block_identity import HASH_ALGOS, BlockExtras, BlockHasher, MultiModalItem
+from prefixcache.services.common.block_identity import (
+    HASH_ALGOS,
+    BlockExtras,
+    BlockHasher,
+    MultiModalItem,
+    xxhash_seed_from_env,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"prefixcache block-hashes: error: {error}", file=sys.stderr)
         return 2
-    if args.hash_algo == "xxhash" and "PYTHONHASHSEED" not in os.environ:
+    if args.hash_algo == "xxhash" and xxhash_seed_from_env(os.environ.get("PYTHONHASHSEED")) is None:
         print("prefixcache block-hashes: warning: xxhash is seeded randomly per process; set PYTHONHASHSEED "
               "to the engine's value to reproduce its hashes", file=sys.stderr)
     sys.stdout.write("".join(block_hash.hex() + "\n" for block_hash in hashes))
