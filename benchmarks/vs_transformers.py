@@ -31,6 +31,7 @@ from prefixcache.services.bench.metrics import RequestRecord, RunSummary, ratio,
 from prefixcache.services.bench.report import CACHE, NO_CACHE, ProgressBar, render_systems
 from prefixcache.services.bench.session import BenchConfig, run_session
 from prefixcache.services.bench.workloads import BenchRequest, IntRange, WorkloadOptions
+from prefixcache.services.cli.bench import int_range_argument
 from prefixcache.services.common.model_store import ensure_default_model
 
 WORKLOADS = ("shared-system-prompt", "multi-turn", "unique")
@@ -122,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=8, help="prefixcache's; transformers runs one at a time")
     parser.add_argument("--prefix-len", type=int, default=1000)
-    parser.add_argument("--suffix-len", type=IntRange.parse, default=IntRange(50, 200))
-    parser.add_argument("--turns", type=IntRange.parse, default=IntRange(4, 8))
+    parser.add_argument("--suffix-len", type=int_range_argument, default=IntRange(50, 200))
+    parser.add_argument("--turns", type=int_range_argument, default=IntRange(4, 8))
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", help="both sides' dtype (float32 or bfloat16)")

@@ -47,6 +47,7 @@ from prefixcache.services.bench.metrics import RequestRecord, RunSummary, summar
 from prefixcache.services.bench.report import ProgressBar, WorkloadResult, render_systems
 from prefixcache.services.bench.session import BenchConfig, BenchOutcome, parse_workloads, plan_workloads, warm_up
 from prefixcache.services.bench.workloads import BenchRequest, IntRange, WorkloadOptions
+from prefixcache.services.cli.bench import int_range_argument
 from prefixcache.services.cli.launcher import free_port
 from prefixcache.services.common.model_store import ensure_default_model
 
@@ -209,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--prefix-len", type=int, default=1024)
-    parser.add_argument("--suffix-len", type=IntRange.parse, default=IntRange(50, 50))
-    parser.add_argument("--turns", type=IntRange.parse, default=IntRange(4, 8))
+    parser.add_argument("--suffix-len", type=int_range_argument, default=IntRange(50, 50))
+    parser.add_argument("--turns", type=int_range_argument, default=IntRange(4, 8))
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--tenants", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)

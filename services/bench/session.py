@@ -36,6 +36,8 @@ class BenchConfig:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
         if self.warmup_requests < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup_requests}")
+        if not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout_s}")
         if self.no_cache_target and not self.compare_no_cache:
             raise ValueError("no_cache_target is only used with compare_no_cache")
         if self.compare_no_cache and self.target and not self.no_cache_target:

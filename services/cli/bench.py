@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import importlib.util
 import math
+import os
 import sys
 
 from prefixcache.services.bench.workloads import GENERATORS, IntRange, WorkloadOptions
@@ -22,6 +23,14 @@ class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if "default" in (action.help or "") or action.default in (None, False, [], argparse.SUPPRESS):
             return action.help
         return super()._get_help_string(action)
+
+
+def int_range_argument(text: str) -> IntRange:
+    """`IntRange.parse` for argparse, which shows an `ArgumentTypeError`'s message (and hides a `ValueError`'s)."""
+    try:
+        return IntRange.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,9 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--tenants", type=int, default=1, help="tenants, each with its own secret cache salt")
     what.add_argument("--prefix-len", type=int, default=1000,
                       help="system prompt / all few-shot examples / each thrash prefix, in tokens")
-    what.add_argument("--suffix-len", type=IntRange.parse, default=IntRange(50, 200), metavar="A:B",
+    what.add_argument("--suffix-len", type=int_range_argument, default=IntRange(50, 200), metavar="A:B",
                       help="user turn / question / thrash suffix length range, in tokens")
-    what.add_argument("--turns", type=IntRange.parse, default=IntRange(4, 8), metavar="A:B", help="multi-turn conversation length")
+    what.add_argument("--turns", type=int_range_argument, default=IntRange(4, 8), metavar="A:B", help="multi-turn conversation length")
     what.add_argument("--output-len", type=int, default=32, help="tokens generated per request (greedy, EOS ignored)")
     what.add_argument("--few-shot-examples", type=int, default=8)
     what.add_argument("--thrash-prefixes", type=int, default=None,
@@ -66,9 +75,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.plot and importlib.util.find_spec("matplotlib") is None:  # say so before a long run, not after
+    # Problems with the outputs are reported before a long run, not after it.
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
         print("prefixcache bench: --plot needs matplotlib (pip install 'prefixcache[bench]')", file=sys.stderr)
         return 2
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        if path and (problem := _unwritable(path)):
+            print(f"prefixcache bench: {option} {path}: {problem}", file=sys.stderr)
+            return 2
     # Imported here so `prefixcache bench --help` stays instant.
     import grpc
 
@@ -113,13 +127,29 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
     print(render_table(outcome.results))
-    if args.json:
-        write_json(args.json, outcome.results, outcome.description)
-    if args.plot:
-        from prefixcache.services.bench.plot import plot
+    try:
+        if args.json:
+            write_json(args.json, outcome.results, outcome.description)
+        if args.plot:
+            from prefixcache.services.bench.plot import plot
 
-        plot(args.plot, outcome.results)
+            plot(args.plot, outcome.results)
+    except OSError as error:  # the file system changed during the run
+        print(f"prefixcache bench: cannot write {error.filename}: {error.strerror}", file=sys.stderr)
+        return 1
     if outcome.failed_requests:
         print(f"prefixcache bench: {outcome.failed_requests} requests failed", file=sys.stderr)
         return 1
     return 0
+
+
+def _unwritable(path: str) -> str | None:
+    """Why a file cannot be written at `path`, or None if it can (as far as can be told beforehand)."""
+    if os.path.isdir(path):
+        return "is a directory"
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        return f"no such directory {directory}"
+    if not os.access(directory, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return "not writable"
+    return None

@@ -13,6 +13,7 @@ from prefixcache.services.bench.session import (
     thrash_prefixes_for,
 )
 from prefixcache.services.bench.workloads import GENERATORS, WorkloadOptions
+from prefixcache.services.cli.main import main as cli_main
 
 FACTS = EngineFacts("m", "float32", vocab_size=50_000, max_model_len=8192, block_size=16, num_kv_blocks=1456,
                     prefix_caching_enabled=True)
@@ -51,9 +52,26 @@ def test_a_thrash_run_too_short_for_evictions_to_dominate_is_noted():
 @pytest.mark.parametrize("kwargs, message", [
     ({"concurrency": 0}, "concurrency"),
     ({"warmup_requests": -1}, "warmup"),
+    ({"request_timeout_s": 0.0}, "request_timeout"),
     ({"no_cache_target": "h:1"}, "only used with compare_no_cache"),
     ({"target": "h:1", "compare_no_cache": True}, "needs no_cache_target"),
 ])
 def test_config_checks(kwargs, message):
     with pytest.raises(ValueError, match=message):
         BenchConfig(workloads=("unique",), options=WorkloadOptions(), **kwargs)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--suffix-len", "5:2"], "1 <= A <= B, got '5:2'"),
+    (["--turns", "x"], "expected N or A:B"),
+    (["--json", "/nonexistent-dir/out.json"], "--json /nonexistent-dir/out.json: no such directory"),
+    (["--plot", "."], "--plot .: is a directory"),
+])
+def test_the_cli_refuses_bad_arguments_and_outputs_before_running(args, message, capsys):
+    # No --target and no engine: each is refused before a platform would start.
+    try:
+        status = cli_main(["bench", *args])
+    except SystemExit as exit:  # argparse's own refusals
+        status = exit.code
+    assert status == 2
+    assert message in capsys.readouterr().err
