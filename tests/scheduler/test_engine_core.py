@@ -193,6 +193,7 @@ def test_a_worker_answer_that_does_not_fit_the_step_is_handled_as_a_lost_worker(
         (lambda: request("x", [1], max_tokens=0), "max_tokens"),
         (lambda: request("x", range(100), max_tokens=4000), "max_tokens"),  # beyond max_model_len
         (lambda: request("x", range(100), max_tokens=200), "max_tokens"),  # beyond the KV cache
+        (lambda: request("x", range(1100), max_tokens=1), "prompt_token_ids"),  # the prompt alone is beyond it
         (lambda: request("x", [1], sampling=SamplingParams(temperature=-1)), "temperature"),
         (lambda: request("x", [1], sampling=SamplingParams(temperature=float("nan"))), "temperature"),
         (lambda: request("x", range(4096)), "prompt_token_ids"),  # no room left to generate
