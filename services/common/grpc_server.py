@@ -52,14 +52,16 @@ async def run_server(
     startup: Callable[[], Awaitable[None]] | None = None,
     shutdown: Callable[[float], Awaitable[None]] | None = None,
     ready: Callable[[int], None] | None = None,
+    health: health_aio.HealthServicer | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT; return the process exit code.
 
-    `ready(port)` is called once the port is bound (port 0 picks a free one).
+    `ready(port)` is called once the port is bound (port 0 picks a free one). Pass `health` to set
+    a service's status yourself while serving; this sets every service's on start and stop.
     """
     configure_tracing(service_name)
     server = aio.server(interceptors=[ServerTracingInterceptor()], options=CHANNEL_OPTIONS)
-    health = health_aio.HealthServicer()
+    health = health or health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     for servicer in servicers:
         servicer.add_to_server(server)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -106,6 +106,9 @@ class EngineCore:
         self._loop_task: asyncio.Task[None] | None = None
         self._serving = False  # admitting requests: started, worker up, not shutting down
         self._stopping = False
+        # Told when a lost worker takes serving away (False) and when a new one brings it back
+        # (True), e.g. to flip the Engine's gRPC health so that load balancers look elsewhere.
+        self.on_worker_availability: Callable[[bool], Awaitable[None]] | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -313,6 +316,7 @@ class EngineCore:
         """The worker is gone: fail everything in flight, drop the cache, bring a worker back."""
         log.warning("worker lost (%s); failing %d requests and re-initializing", error, len(self._streams))
         self._serving = False
+        await self._announce_worker_availability(False)
         self.metrics.worker_lost()
         assert self._scheduler is not None
         self._scheduler.drop_all()
@@ -331,3 +335,9 @@ class EngineCore:
         self._install_worker(info)
         self._serving = not self._stopping
         log.info("worker re-initialized: %d KV blocks, cache empty", info.num_kv_blocks)
+        if self._serving:
+            await self._announce_worker_availability(True)
+
+    async def _announce_worker_availability(self, available: bool) -> None:
+        if self.on_worker_availability is not None:
+            await self.on_worker_availability(available)

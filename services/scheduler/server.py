@@ -3,6 +3,8 @@
 `prefixcache scheduler --port 50051 --tokenizer HOST:PORT --worker HOST:PORT [--block-size 16]
 [--hash-algo sha256] [--no-prefix-caching] [--max-num-seqs 32] ...`. Health says SERVING once the
 worker has initialized its KV cache for our block size (the worker may start later: we keep trying).
+While a lost worker is being replaced, the Engine service's health says NOT_SERVING (the process's,
+"", stays SERVING, so a liveness probe does not restart a healthy scheduler).
 On SIGTERM, new requests are refused while in-flight ones get the grace period to finish.
 """
 from __future__ import annotations
@@ -10,6 +12,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+
+from grpc_health.v1 import health_pb2
+from grpc_health.v1.health import aio as health_aio
 
 from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
 from prefixcache.services.common.grpc_server import Servicer, configure_logging, run_server
@@ -67,6 +72,14 @@ async def serve(args: argparse.Namespace) -> int:
     tokenizer = TokenizerClient(args.tokenizer)
     engine = EngineCore(config, executor)
     servicer = EngineServicer(engine, tokenizer, request_spans=request_spans)
+    health = health_aio.HealthServicer()
+
+    async def publish_worker_availability(available: bool) -> None:
+        # The Engine service, not the process: liveness ("") stays SERVING while a worker restarts.
+        status = health_pb2.HealthCheckResponse.SERVING if available else health_pb2.HealthCheckResponse.NOT_SERVING
+        await health.set(SERVICE_NAME, status)
+
+    engine.on_worker_availability = publish_worker_availability
 
     async def start_engine() -> None:
         while True:
@@ -101,6 +114,7 @@ async def serve(args: argparse.Namespace) -> int:
         grace_s=args.grace,
         startup=start_engine,
         shutdown=stop_engine,
+        health=health,
     )
 
 

@@ -146,6 +146,12 @@ def test_worker_loss_fails_in_flight_requests_and_a_restarted_worker_serves_with
     prompt = list(range(100, 140))
 
     async def body(engine, worker):
+        announced = []
+
+        async def record(available: bool) -> None:
+            announced.append((available, engine.is_serving))
+
+        engine.on_worker_availability = record
         await collect(engine.add_request(request("warm", prompt)))
         stream = engine.add_request(request("doomed", range(700, 720), max_tokens=200))
         await anext(stream)
@@ -157,6 +163,8 @@ def test_worker_loss_fails_in_flight_requests_and_a_restarted_worker_serves_with
         while not engine.is_serving:
             await asyncio.sleep(0.01)
         assert worker.initializations == 2
+        # Unavailable once, when the worker was lost; available again once it served (health follows).
+        assert announced == [(False, False), (True, True)]
         outputs = await collect(engine.add_request(request("after", prompt)))
         assert outputs[-1].usage.cached_tokens == 0  # the old cache died with the worker
         assert tokens_of(outputs) == reference_generation(prompt, 6, VOCAB)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import subprocess
 import sys
@@ -11,8 +12,9 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from prefixcache.protos.engine.v1 import engine_pb2, engine_pb2_grpc
 from prefixcache.services.cli.launcher import free_port
-from prefixcache.services.common.grpc_client import wait_until_serving
+from prefixcache.services.common.grpc_client import is_serving, open_channel, wait_until_serving
 
 
 def test_tokenizer_process_serves_health_and_reflection_and_exits_0_on_sigterm(model_dir: Path, tmp_path: Path) -> None:
@@ -60,3 +62,59 @@ def test_worker_refuses_a_bad_kv_cache_memory_before_loading_a_model(tmp_path: P
     assert result.returncode == 2
     assert "--kv-cache-memory" in result.stderr and "12 apples" in result.stderr
     assert "no-such-model" not in result.stderr  # it never got as far as the model
+
+
+def test_the_engine_reports_not_serving_while_its_worker_is_replaced(model_dir: Path, tmp_path: Path) -> None:
+    """Health of the Engine service follows the worker; the process's own ("") stays SERVING, so a
+    liveness probe leaves the scheduler alone while a readiness probe on the Engine turns traffic away."""
+    engine_service = "prefixcache.engine.v1.Engine"
+    worker_port, engine_port = free_port(), free_port()
+    engine = f"127.0.0.1:{engine_port}"
+    logs = [(tmp_path / name).open("wb") for name in ("worker-1.log", "scheduler.log", "worker-2.log")]
+
+    def start(log, *args: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "prefixcache.services.cli.main", *args],
+                                stdout=log, stderr=subprocess.STDOUT)
+
+    def start_worker(log) -> subprocess.Popen:
+        return start(log, "worker", "--host", "127.0.0.1", "--port", str(worker_port), "--model-dir", str(model_dir),
+                     "--kv-cache-memory", "64MiB")
+
+    async def engine_health(service: str) -> bool:
+        async with open_channel(engine) as channel:
+            return await is_serving(channel, service)
+
+    async def until(service: str, serving: bool, timeout_s: float) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while await engine_health(service) != serving:
+            assert asyncio.get_running_loop().time() < deadline, f"{service or 'the process'} never became {serving}"
+            await asyncio.sleep(0.1)
+
+    async def generate_once() -> None:
+        # Token ids need no tokenizer to be scheduled; the step on the dead worker is what reveals it.
+        async with open_channel(engine) as channel:
+            call = engine_pb2_grpc.EngineStub(channel).Generate(
+                engine_pb2.GenerateRequest(token_ids=engine_pb2.TokenIds(ids=[1, 2, 3])), timeout=30)
+            with contextlib.suppress(grpc.RpcError):
+                async for _ in call:
+                    pass
+
+    processes = [start_worker(logs[0]),
+                 start(logs[1], "scheduler", "--host", "127.0.0.1", "--port", str(engine_port),
+                       "--tokenizer", f"127.0.0.1:{free_port()}", "--worker", f"127.0.0.1:{worker_port}")]
+    try:
+        asyncio.run(until(engine_service, True, timeout_s=120))
+        processes[0].kill()
+        processes[0].wait()
+        asyncio.run(generate_once())
+        asyncio.run(until(engine_service, False, timeout_s=30))
+        assert asyncio.run(engine_health(""))
+        processes.append(start_worker(logs[2]))
+        asyncio.run(until(engine_service, True, timeout_s=120))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        for log in logs:
+            log.close()
