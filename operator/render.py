@@ -27,6 +27,7 @@ from prefixcache.operator.schema import GROUP, KIND, VERSION
 from prefixcache.operator.spec import EMBEDDED, PrefixCacheSpec, Resources
 
 ENGINE_PORT = 50051
+ENGINE_SERVICE = "prefixcache.engine.v1.Engine"  # the Engine API's gRPC name, as its health service
 TOKENIZER_PORT = 50053  # the services' own default ports
 WORKER_PORT = 50052
 METRICS_PORT = 9090  # the scheduler's Prometheus endpoint (prefix-cache counters)
@@ -150,21 +151,23 @@ def _model_volumes(spec: PrefixCacheSpec) -> tuple[list[dict[str, Any]], list[di
     return [volume], [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}]
 
 
-def _grpc_probes(port: int, startup_seconds: int) -> dict[str, Any]:
+def _grpc_probes(port: int, startup_seconds: int, ready_service: str | None) -> dict[str, Any]:
     """gRPC health checking (grpc.health.v1) on the container's own port: startup covers model loading,
-    readiness gates traffic, liveness restarts a hung process."""
+    readiness gates traffic (on `ready_service`'s status if given, else the process's), liveness
+    restarts a hung process."""
     period = 5
+    readiness = {"port": port, "service": ready_service} if ready_service else {"port": port}
     return {
         "startupProbe": {"grpc": {"port": port}, "periodSeconds": period,
                          "failureThreshold": startup_seconds // period},
-        "readinessProbe": {"grpc": {"port": port}, "periodSeconds": period, "failureThreshold": 2},
+        "readinessProbe": {"grpc": readiness, "periodSeconds": period, "failureThreshold": 2},
         "livenessProbe": {"grpc": {"port": port}, "periodSeconds": 10, "failureThreshold": 3,
                           "timeoutSeconds": 5},
     }
 
 
 def _container(owner: Owner, name: str, spec: PrefixCacheSpec, args: list[str], port: int,
-               startup_seconds: int, resources: Resources) -> dict[str, Any]:
+               startup_seconds: int, resources: Resources, ready_service: str | None = None) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": name,
         "image": spec.image,
@@ -179,7 +182,7 @@ def _container(owner: Owner, name: str, spec: PrefixCacheSpec, args: list[str], 
             {"name": "OTEL_RESOURCE_ATTRIBUTES",
              "value": "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE)"},
         ],
-        **_grpc_probes(port, startup_seconds),
+        **_grpc_probes(port, startup_seconds, ready_service),
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
     }
@@ -267,8 +270,9 @@ def _worker_resources(spec: PrefixCacheSpec) -> Resources:
 
 
 def _engine_deployment(owner: Owner, spec: PrefixCacheSpec, config_hash: str) -> dict[str, Any]:
+    # Ready while the Engine can serve: the scheduler's Engine health drops while a lost worker is replaced.
     scheduler = _container(owner, "scheduler", spec, _scheduler_args(owner, spec), ENGINE_PORT,
-                           startup_seconds=300, resources=spec.scheduler_resources)
+                           startup_seconds=300, resources=spec.scheduler_resources, ready_service=ENGINE_SERVICE)
     volumes, mounts = _model_volumes(spec)
     # The worker loads weights and may compile kernels before it reports SERVING: allow ten minutes.
     worker = _container(owner, "worker", spec, _worker_args(spec), WORKER_PORT, startup_seconds=600,

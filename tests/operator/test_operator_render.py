@@ -10,7 +10,8 @@ import pytest
 import yaml
 from kubernetes_validate.utils import ValidationError
 
-from prefixcache.operator.render import CONFIG_HASH_ANNOTATION, Owner, render
+from prefixcache.operator.render import CONFIG_HASH_ANNOTATION, ENGINE_SERVICE, Owner, render
+from prefixcache.protos.engine.v1 import engine_pb2
 from prefixcache.operator.spec import parse_spec
 
 OWNER = Owner(name="chat", namespace="serving", uid="6a1f0c9e-0000-4000-8000-000000000001")
@@ -134,8 +135,11 @@ def test_every_container_is_probed_over_grpc_health(rendered: list[dict[str, Any
     for deployment in (o for o in rendered if o["kind"] == "Deployment"):
         for container in containers(deployment).values():
             port = container["ports"][0]["containerPort"]
-            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            for probe in ("startupProbe", "livenessProbe"):
                 assert container[probe]["grpc"] == {"port": port}, (container["name"], probe)
+            # The scheduler is ready while its Engine can serve (not while it waits for a worker).
+            ready = {"port": port, "service": ENGINE_SERVICE} if container["name"] == "scheduler" else {"port": port}
+            assert container["readinessProbe"]["grpc"] == ready, container["name"]
     worker = containers(by_name(rendered)["Deployment", "chat-engine"])["worker"]
     startup = worker["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # room to load the model
@@ -216,3 +220,7 @@ def test_scheduler_metrics_are_exposed_for_scraping() -> None:
     assert scheduler["args"][scheduler["args"].index("--metrics-port") + 1] == "9090"
     annotations = engine["spec"]["template"]["metadata"]["annotations"]
     assert (annotations["prometheus.io/scrape"], annotations["prometheus.io/port"]) == ("true", "9090")
+
+
+def test_the_readiness_service_is_the_engines_grpc_name() -> None:
+    assert ENGINE_SERVICE == engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name

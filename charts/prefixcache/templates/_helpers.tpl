@@ -39,7 +39,8 @@ OTEL_LOGS_EXPORTER: none
 {{- end }}
 
 {{/* One service container. Arguments: root, name, args (list), port, startupSeconds, resources (dict);
-     optional extraEnv, extraMounts, extraPorts (lists) and restartPolicy (a native sidecar). */}}
+     optional extraEnv, extraMounts, extraPorts (lists), restartPolicy (a native sidecar) and
+     readyService (the gRPC health service readiness checks, instead of the process's). */}}
 {{- define "prefixcache.container" -}}
 - name: {{ .name }}
   image: {{ .root.Values.image }}
@@ -66,7 +67,7 @@ OTEL_LOGS_EXPORTER: none
     {{- toYaml . | nindent 4 }}
     {{- end }}
   startupProbe: {grpc: {port: {{ .port }}}, periodSeconds: 5, failureThreshold: {{ div .startupSeconds 5 }}}
-  readinessProbe: {grpc: {port: {{ .port }}}, periodSeconds: 5, failureThreshold: 2}
+  readinessProbe: {grpc: {port: {{ .port }}{{ with .readyService }}, service: {{ . }}{{ end }}}, periodSeconds: 5, failureThreshold: 2}
   livenessProbe: {grpc: {port: {{ .port }}}, periodSeconds: 10, failureThreshold: 3, timeoutSeconds: 5}
   securityContext: {allowPrivilegeEscalation: false, capabilities: {drop: [ALL]}}
   volumeMounts:
