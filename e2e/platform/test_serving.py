@@ -142,6 +142,8 @@ BAD_REQUESTS = {
     "top_p above one": (dict(text="hi", top_p=1.5), "sampling.top_p"),
     "more than 20 logprobs": (dict(text="hi", logprobs=21), "sampling.logprobs"),
     "unknown LoRA adapter": (dict(text="hi", lora_adapter="nope"), "lora_adapter"),
+    "empty cache salt": (dict(text="hi", cache_salt=""), "cache_salt"),
+    "empty tenant": (dict(text="hi", tenant=""), "tenant"),
     "no chat messages": (dict(messages=[]), "chat.messages"),
     "unknown chat role": (dict(messages=[("wizard", "hi")]), "chat.messages[0].role"),
     "empty chat content": (dict(messages=[("user", "")]), "chat.messages[0].content"),

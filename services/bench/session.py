@@ -13,7 +13,7 @@ from prefixcache.services.bench.engine import EngineEndpoint, EngineFacts
 from prefixcache.services.bench.local_platform import LocalSettings, local_platform
 from prefixcache.services.bench.metrics import summarize
 from prefixcache.services.bench.report import CACHE, NO_CACHE, ProgressBar, WorkloadResult
-from prefixcache.services.bench.workloads import BenchRequest, WorkloadOptions, generate
+from prefixcache.services.bench.workloads import BenchRequest, WorkloadOptions, check_few_shot, generate
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,8 @@ class BenchConfig:
             raise ValueError(f"warmup must be >= 0, got {self.warmup_requests}")
         if not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout_s}")
+        if "few-shot" in self.workloads:
+            check_few_shot(self.options)  # before a platform starts, not after
         if self.no_cache_target and not self.compare_no_cache:
             raise ValueError("no_cache_target is only used with compare_no_cache")
         if self.compare_no_cache and self.target and not self.no_cache_target:
@@ -185,8 +187,13 @@ def _describe(config: BenchConfig, options: WorkloadOptions, facts: EngineFacts)
 
 
 def parse_workloads(names: Sequence[str], known: Sequence[str]) -> tuple[str, ...]:
+    """The workloads `--workload` values name (repeated or comma-separated); all of them if none is given."""
+    if not names:
+        return tuple(known)
     chosen = [n.strip() for text in names for n in text.split(",") if n.strip()]
+    if not chosen:
+        raise ValueError(f"--workload names no workload; choose from {', '.join(known)}")
     for name in chosen:
         if name not in known:
             raise ValueError(f"--workload must name one of {', '.join(known)}, got {name!r}")
-    return tuple(dict.fromkeys(chosen)) or tuple(known)
+    return tuple(dict.fromkeys(chosen))

@@ -95,8 +95,6 @@ class WorkloadOptions:
             raise ValueError(
                 f"first_ordinary_token must lie in [0, vocab_size={self.vocab_size}), got {self.first_ordinary_token}"
             )
-        if self.few_shot_examples > self.prefix_len:
-            raise ValueError(f"few_shot_examples ({self.few_shot_examples}) cannot exceed prefix_len ({self.prefix_len})")
 
 
 class _Tokens:
@@ -168,8 +166,16 @@ def multi_turn(options: WorkloadOptions) -> list[BenchRequest]:
     return [c[turn] for turn in range(longest) for c in conversations if turn < len(c)]
 
 
+def check_few_shot(options: WorkloadOptions) -> None:
+    """Every example needs a token of the prefix (checked only when few-shot runs)."""
+    if options.few_shot_examples > options.prefix_len:
+        raise ValueError(f"few_shot_examples ({options.few_shot_examples}) cannot exceed prefix_len "
+                         f"({options.prefix_len})")
+
+
 def few_shot(options: WorkloadOptions) -> list[BenchRequest]:
     """`few_shot_examples` shared examples (together `prefix_len` tokens), then a varied question."""
+    check_few_shot(options)
     rng = _rng("few-shot", options.seed)
     tokens = _Tokens(rng, options)
     base, extra = divmod(options.prefix_len, options.few_shot_examples)

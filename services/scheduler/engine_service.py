@@ -167,6 +167,8 @@ class EngineServicer(pb_grpc.EngineServicer):
                 raise InvalidRequest(f"sampling.stop[{index}]", "must not be empty")
         if request.HasField("cache_salt") and not request.cache_salt:
             raise InvalidRequest("cache_salt", "must not be empty when set")
+        if request.HasField("tenant") and not request.tenant:
+            raise InvalidRequest("tenant", "must not be empty when set")
 
     async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")

@@ -24,6 +24,8 @@ def test_workload_selection():
     assert parse_workloads(["unique,thrash", "unique"], list(GENERATORS)) == ("unique", "thrash")
     with pytest.raises(ValueError, match="--workload"):
         parse_workloads(["shared"], list(GENERATORS))
+    with pytest.raises(ValueError, match="names no workload"):
+        parse_workloads([","], list(GENERATORS))
 
 
 def test_thrash_is_sized_from_the_kv_pool():
@@ -59,6 +61,13 @@ def test_a_thrash_run_too_short_for_evictions_to_dominate_is_noted():
 def test_config_checks(kwargs, message):
     with pytest.raises(ValueError, match=message):
         BenchConfig(workloads=("unique",), options=WorkloadOptions(), **kwargs)
+
+
+def test_few_shot_lengths_are_checked_only_when_few_shot_runs():
+    short = WorkloadOptions(prefix_len=4, few_shot_examples=8)
+    BenchConfig(workloads=("unique", "shared-system-prompt"), options=short)
+    with pytest.raises(ValueError, match="few_shot_examples \\(8\\) cannot exceed prefix_len \\(4\\)"):
+        BenchConfig(workloads=("unique", "few-shot"), options=short)
 
 
 @pytest.mark.parametrize("args, message", [
