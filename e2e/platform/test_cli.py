@@ -47,6 +47,11 @@ def test_generate_json_with_logprobs(target: str) -> None:
         assert len(entry["top"]) == 2 and entry["top"][0][0] == token_id and entry["logprob"] <= 0
 
 
+def test_logprobs_without_json_is_refused_before_any_call() -> None:
+    result = prefixcache("generate", "Hello", "--target", "127.0.0.1:1", "--logprobs", "2")
+    assert result.returncode == 2 and "--logprobs needs --json" in result.stderr
+
+
 def test_a_failed_call_exits_non_zero_with_the_status(target: str) -> None:
     result = prefixcache("generate", "hi", "--target", target, "--top-p", "2")
     assert result.returncode == 1

@@ -29,6 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.logprobs and not args.json:
+        print("prefixcache generate: --logprobs needs --json (the streamed text has no room for them)",
+              file=sys.stderr)
+        return 2
     options = {"request_id": args.request_id, "logprobs": args.logprobs, **sampling_kwargs(args)}
     if args.system is not None:
         request = build_request(messages=[("system", args.system.read_text()), ("user", args.prompt)], **options)
