@@ -222,7 +222,8 @@ class EngineCore:
         if prompt_blocks > info.num_kv_blocks:
             raise RequestRejected(
                 "prompt_token_ids",
-                f"the prompt ({len(prompt)} tokens) needs {prompt_blocks} KV blocks; the worker has {info.num_kv_blocks}",
+                f"the prompt ({len(prompt)} tokens) needs {prompt_blocks} KV blocks; "
+                f"the worker has {info.num_kv_blocks}",
             )
         blocks_needed = -(-(len(prompt) + request.max_tokens) // block_size)
         if blocks_needed > info.num_kv_blocks:
