@@ -8,7 +8,7 @@ sliding window (served by capping the context at the window, where it changes no
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +47,15 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"{model_dir} is not a model directory: config.json is missing")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path} is not valid JSON: {error}") from error
-        return cls.from_dict(raw, source=str(path))
+        config = cls.from_dict(_read_json(path), source=str(path))
+        # Chat checkpoints often end a turn with a token that only generation_config.json names
+        # (Qwen2-Instruct's <|im_end|>, Llama-3-Instruct's <|eot_id|>): stop on those too.
+        generation_path = Path(model_dir) / "generation_config.json"
+        if generation_path.is_file():
+            generation = _read_json(generation_path)
+            extra = _token_ids(generation.get("eos_token_id") if isinstance(generation, dict) else None)
+            config = replace(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
+        return config
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -136,6 +140,13 @@ def _max_model_len(raw: dict[str, Any], source: str) -> int:
         # Attention over at most `window` tokens equals full attention while the context fits in it.
         length = min(length, int(window))
     return length
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from error
 
 
 def _token_ids(value: Any) -> tuple[int, ...]:

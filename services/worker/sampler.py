@@ -1,10 +1,10 @@
 """Pick the next token of each request from its logits.
 
-Greedy when temperature is 0; otherwise temperature, then top-k, then top-p (nucleus) filtering and
-a draw from the request's own generator. A seeded request's draw for sequence position p comes from
-its generator reseeded with `position_seed(seed, p)`: its tokens depend on neither what shares the
-batch nor preemption (a preempted request comes back to the worker as a new one, and a generator
-seeded once would replay its first draws). Logprobs, when asked for, are those of the model's raw
+Greedy when temperature is 0; otherwise temperature (at least `MIN_TEMPERATURE`), then top-k, then
+top-p (nucleus) filtering and a draw from the request's own generator. A seeded request's draw for
+sequence position p comes from its generator reseeded with `position_seed(seed, p)`: its tokens
+depend on neither what shares the batch nor preemption (a preempted request comes back to the
+worker as a new one, and a generator seeded once would replay its first draws). Logprobs, when asked for, are those of the model's raw
 distribution (before temperature and filtering), as OpenAI-style APIs report them.
 """
 from __future__ import annotations
@@ -67,8 +67,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     ]
 
 
+# Positive temperatures below this are raised to it: dividing float32 logits by, say, 1e-39 overflows
+# to inf and leaves nothing to sample from (vLLM clamps at the same value).
+MIN_TEMPERATURE = 1e-2
+
+
 def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    scaled = logits / params.temperature
+    scaled = logits / max(params.temperature, MIN_TEMPERATURE)
     if 0 < params.top_k < scaled.shape[-1]:
         kth_best = scaled.topk(params.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth_best, float("-inf"))

@@ -1,6 +1,8 @@
 """Reading config.json: the switches that tell Llama-family checkpoints apart, and what we refuse."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from prefixcache.services.worker.model_config import ModelConfig
@@ -36,6 +38,17 @@ def test_rope_from_old_and_new_style_configs() -> None:
                                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                       "original_max_position_embeddings": 8192})
     assert old.rope == new.rope and old.rope.theta == 500000.0 and old.rope.kind == "llama3"
+
+
+def test_generation_config_adds_its_end_of_turn_tokens(tmp_path) -> None:
+    # Qwen2-Instruct's config.json names <|endoftext|>; only generation_config.json names <|im_end|>.
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, "architectures": ["Qwen2ForCausalLM"]}))
+    assert ModelConfig.from_model_dir(tmp_path).eos_token_ids == (2,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 2]}))
+    assert ModelConfig.from_model_dir(tmp_path).eos_token_ids == (2, 5)
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="generation_config.json is not valid JSON"):
+        ModelConfig.from_model_dir(tmp_path)
 
 
 def test_derived_defaults() -> None:

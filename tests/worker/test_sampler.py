@@ -48,6 +48,12 @@ def test_temperature_sampling_follows_the_distribution() -> None:
     assert set(cold) == {0}  # a low temperature concentrates on the mode
 
 
+def test_a_vanishing_temperature_samples_the_mode_instead_of_overflowing() -> None:
+    # logits / 1e-39 would be inf in float32 and leave no distribution to draw from.
+    logits = torch.randn(1, 100, generator=torch.Generator().manual_seed(1)) * 10
+    assert set(draws(SamplingParams(temperature=1e-39, seed=2), count=20, logits=logits)) == {int(logits.argmax())}
+
+
 def test_top_k_and_top_p_restrict_the_support() -> None:
     assert set(draws(SamplingParams(temperature=1.0, top_k=2, seed=3))) == {0, 1}
     assert set(draws(SamplingParams(temperature=1.0, top_p=0.8, seed=3))) == {0, 1, 2}  # 0.5 + 0.25 < 0.8
