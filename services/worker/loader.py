@@ -7,7 +7,6 @@ progress line while tensors are copied. Never contacts a model hub.
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import TextIO
 import torch
 from safetensors import safe_open
 
-from prefixcache.services.worker.model_config import ModelConfig
+from prefixcache.services.worker.model_config import ModelConfig, read_json_file
 from prefixcache.services.worker.models.llama import LlamaForCausalLM
 
 SHARD_INDEX = "model.safetensors.index.json"
@@ -40,7 +39,11 @@ def weight_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a checkpoint, from its shard index when it has one."""
     index_path = model_dir / SHARD_INDEX
     if index_path.is_file():
-        weight_map = json.loads(index_path.read_text()).get("weight_map", {})
+        index = read_json_file(index_path)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map \
+                or not all(isinstance(name, str) for name in weight_map.values()):
+            raise ValueError(f"{index_path}: needs a non-empty \"weight_map\" of tensor name to shard file name")
         files = [model_dir / name for name in sorted(set(weight_map.values()))]
         missing = [path.name for path in files if not path.is_file()]
         if missing:

@@ -47,12 +47,12 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"{model_dir} is not a model directory: config.json is missing")
-        config = cls.from_dict(_read_json(path), source=str(path))
+        config = cls.from_dict(read_json_file(path), source=str(path))
         # Chat checkpoints often end a turn with a token that only generation_config.json names
         # (Qwen2-Instruct's <|im_end|>, Llama-3-Instruct's <|eot_id|>): stop on those too.
         generation_path = Path(model_dir) / "generation_config.json"
         if generation_path.is_file():
-            generation = _read_json(generation_path)
+            generation = read_json_file(generation_path)
             extra = _token_ids(generation.get("eos_token_id") if isinstance(generation, dict) else None)
             config = replace(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + extra)))
         return config
@@ -142,7 +142,8 @@ def _max_model_len(raw: dict[str, Any], source: str) -> int:
     return length
 
 
-def _read_json(path: Path) -> Any:
+def read_json_file(path: Path) -> Any:
+    """A checkpoint's JSON file; a ValueError that names the file if it is not JSON."""
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as error:

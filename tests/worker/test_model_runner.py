@@ -198,8 +198,11 @@ def break_config(model_dir: Path, **changes: object) -> None:
         (lambda d: break_config(d, num_key_value_heads=4), "not a multiple"),
         (lambda d: break_config(d, num_hidden_layers=4), "lacks 9 weight"),
         (lambda d: break_config(d, intermediate_size=100), "shape"),
+        (lambda d: (d / "model.safetensors.index.json").write_text("{oops"), "index.json is not valid JSON"),
+        (lambda d: (d / "model.safetensors.index.json").write_text("[]"), "needs a non-empty \"weight_map\""),
     ],
-    ids=["no config", "no weights", "architecture", "activation", "rope", "kv heads", "missing layer", "shape"],
+    ids=["no config", "no weights", "architecture", "activation", "rope", "kv heads", "missing layer", "shape",
+         "index not JSON", "index without a weight map"],
 )
 def test_loading_fails_fast_and_says_why(tiny_dir: Path, tmp_path: Path, damage, message: str) -> None:
     model_dir = shutil.copytree(tiny_dir, tmp_path / "model")
