@@ -61,7 +61,8 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
                progress: TextIO | None = sys.stderr) -> LoadedModel:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
-        raise FileNotFoundError(f"model directory {model_dir} does not exist")
+        what = "is a file, not a directory" if model_dir.exists() else "does not exist"
+        raise FileNotFoundError(f"model directory {model_dir} {what}")
     torch_dtype = parse_dtype(dtype)
     config = ModelConfig.from_model_dir(model_dir)
     files = weight_files(model_dir)

@@ -14,6 +14,7 @@ from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class ModelConfig:
             vocab_size=_positive_int(raw, "vocab_size", source),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope=_rope(raw, source),
-            max_model_len=_max_model_len(raw, source),
+            max_model_len=_max_model_len(raw, architecture, source),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=is_qwen2 or attention_bias,  # Qwen2 always has QKV biases, never an output bias
             output_bias=attention_bias and not is_qwen2,
@@ -103,6 +104,8 @@ def _architecture(raw: dict[str, Any], source: str) -> str:
     for name in architectures:
         if name in SUPPORTED_ARCHITECTURES:
             return name
+    if not architectures and raw.get("model_type") in _ARCHITECTURE_OF_MODEL_TYPE:  # an older or hand-written config
+        return _ARCHITECTURE_OF_MODEL_TYPE[raw["model_type"]]
     raise ValueError(f"{source}: unsupported architecture {architectures or raw.get('model_type')!r}; "
                      f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
@@ -132,10 +135,11 @@ def _rope(raw: dict[str, Any], source: str) -> RopeConfig:
     return RopeConfig(theta=theta, kind=kind, scaling=numeric)
 
 
-def _max_model_len(raw: dict[str, Any], source: str) -> int:
+def _max_model_len(raw: dict[str, Any], architecture: str, source: str) -> int:
     length = _positive_int(raw, "max_position_embeddings", source)
     window = raw.get("sliding_window")
-    uses_window = raw.get("use_sliding_window", True)  # Qwen2 declares a window it does not use by default
+    # Qwen2 declares a window it does not use unless told to (transformers' default); Mistral uses its own.
+    uses_window = raw.get("use_sliding_window", architecture != "Qwen2ForCausalLM")
     if window and uses_window:
         # Attention over at most `window` tokens equals full attention while the context fits in it.
         length = min(length, int(window))

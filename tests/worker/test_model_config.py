@@ -23,6 +23,16 @@ def test_mistral_sliding_window_caps_the_context() -> None:
 def test_qwen2_has_qkv_bias_and_ignores_an_unused_window() -> None:
     qwen = config("Qwen2ForCausalLM", sliding_window=4096, use_sliding_window=False)
     assert (qwen.qkv_bias, qwen.output_bias, qwen.max_model_len) == (True, False, 32768)
+    # As in transformers, a Qwen2 config that does not say uses no window; one that says so does.
+    assert config("Qwen2ForCausalLM", sliding_window=4096).max_model_len == 32768
+    assert config("Qwen2ForCausalLM", sliding_window=4096, use_sliding_window=True).max_model_len == 4096
+
+
+def test_a_config_without_architectures_is_read_by_its_model_type() -> None:
+    raw = {**BASE, "model_type": "qwen2"}
+    assert ModelConfig.from_dict(raw).architecture == "Qwen2ForCausalLM"
+    with pytest.raises(ValueError, match="unsupported architecture 'gpt2'"):
+        ModelConfig.from_dict({**BASE, "model_type": "gpt2"})
 
 
 def test_llama_attention_bias_covers_the_output_projection() -> None:

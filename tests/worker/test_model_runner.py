@@ -211,6 +211,14 @@ def test_loading_fails_fast_and_says_why(tiny_dir: Path, tmp_path: Path, damage,
         ModelRunner(model_dir)
 
 
+def test_a_model_path_that_is_not_a_directory_says_so(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ModelRunner(tmp_path / "nowhere")
+    (tmp_path / "weights.safetensors").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match="is a file, not a directory"):
+        ModelRunner(tmp_path / "weights.safetensors")
+
+
 def test_missing_shard_is_named(tmp_path: Path) -> None:
     model_dir = save_tiny_checkpoint("qwen2", tmp_path / "sharded", max_shard_size="100KB")
     shard = sorted(model_dir.glob("*.safetensors"))[-1]
