@@ -20,6 +20,10 @@ EMBEDDED = "Embedded"
 PERSISTENT_VOLUME_CLAIM = "PersistentVolumeClaim"
 _PARENT_SEGMENT = re.compile(r"(^|/)[.][.](/|$)")
 _DNS_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+# A qualified name, as resource names are: an optional DNS-subdomain prefix and "/", then up to 63
+# alphanumerics with inner "-", "_" or ".".
+_RESOURCE_NAME = re.compile(r"([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                            r"(?=.{1,63}$)[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 MAX_NAME_LENGTH = 53  # a Service name is at most 63 characters, and "-tokenizer" takes 10
 
 
@@ -98,6 +102,11 @@ def parse_spec(raw_spec: Mapping[str, Any] | None) -> PrefixCacheSpec:
     for section in ("worker", "scheduler", "tokenizer"):
         if well_formed(f"spec.{section}"):
             rules += _resource_problems(spec[section]["resources"], f"spec.{section}.resources")
+    if well_formed("spec.worker"):
+        worker = spec["worker"]
+        rules += [f"spec.worker.resources.{kind}.{worker['gpuResource']}: set GPUs with spec.worker.gpus, "
+                  "which also tells the worker to use them" for kind in ("requests", "limits")
+                  if worker["gpuResource"] in worker["resources"].get(kind, {})]
     if problems or rules:
         raise SpecError(sorted(problems + rules))
 
@@ -163,6 +172,10 @@ def _resource_problems(resources: Mapping[str, Any], prefix: str) -> list[str]:
     problems = []
     for kind in ("requests", "limits"):
         for name, quantity in resources.get(kind, {}).items():
+            if not _RESOURCE_NAME.fullmatch(name):  # else the API server refuses the Deployment, over and over
+                problems.append(f"{prefix}.{kind}.{name}: not a Kubernetes resource name "
+                                "(e.g. cpu, memory, example.com/device)")
+                continue
             try:
                 if parse_quantity(quantity) < 0:
                     problems.append(f"{prefix}.{kind}.{name}: must not be negative")

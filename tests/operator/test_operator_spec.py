@@ -100,6 +100,13 @@ def test_defaults_fill_gaps_but_keep_given_values() -> None:
     pytest.param({"blocksize": 16}, "spec.blocksize: unknown field", id="typo"),
     pytest.param({"worker": {"resources": {"limits": {"memory": "lots"}}}},
                  "spec.worker.resources.limits.memory: 'lots' does not match", id="resource-quantity"),
+    pytest.param({"scheduler": {"resources": {"limits": {"BAD NAME": "1"}}}},
+                 "spec.scheduler.resources.limits.BAD NAME: not a Kubernetes resource name", id="resource-name"),
+    pytest.param({"worker": {"gpus": 2, "resources": {"limits": {"nvidia.com/gpu": 4}}}},
+                 "spec.worker.resources.limits.nvidia.com/gpu: set GPUs with spec.worker.gpus", id="gpus-twice"),
+    pytest.param({"worker": {"resources": {"requests": {"nvidia.com/gpu": 1}}}},
+                 "spec.worker.resources.requests.nvidia.com/gpu: set GPUs with spec.worker.gpus",
+                 id="gpu-without-gpus"),
 ])
 def test_invalid_spec_names_the_field(raw: dict[str, Any], field: str) -> None:
     with pytest.raises(SpecError) as error:
