@@ -100,6 +100,8 @@ def test_defaults_fill_gaps_but_keep_given_values() -> None:
     pytest.param({"blocksize": 16}, "spec.blocksize: unknown field", id="typo"),
     pytest.param({"worker": {"resources": {"limits": {"memory": "lots"}}}},
                  "spec.worker.resources.limits.memory: 'lots' does not match", id="resource-quantity"),
+    pytest.param({"kvCacheMemory": 0}, "spec.kvCacheMemory: 0 is less than the minimum of 1", id="kv-zero"),
+    pytest.param({"kvCacheMemory": "0Gi"}, "spec.kvCacheMemory: '0Gi' does not match", id="kv-zero-quantity"),
     pytest.param({"scheduler": {"resources": {"limits": {"BAD NAME": "1"}}}},
                  "spec.scheduler.resources.limits.BAD NAME: not a Kubernetes resource name", id="resource-name"),
     pytest.param({"worker": {"gpus": 2, "resources": {"limits": {"nvidia.com/gpu": 4}}}},
