@@ -117,12 +117,11 @@ def _metadata(owner: Owner, name: str, component: str) -> dict[str, Any]:
 
 def _config_map(owner: Owner, spec: PrefixCacheSpec) -> dict[str, Any]:
     """Environment every container shares. Never a secret: the tenant salt key is a secretKeyRef."""
-    data = {"PREFIXCACHE_MODEL_ID": spec.model.id}
     if spec.otel_endpoint:
-        data |= {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": spec.otel_endpoint,
-                 "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+        data = {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_ENDPOINT": spec.otel_endpoint,
+                "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
     else:
-        data |= {"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none", "OTEL_LOGS_EXPORTER": "none"}
+        data = {"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none", "OTEL_LOGS_EXPORTER": "none"}
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(owner, owner.config_map, "config"),
             "data": data}
 

@@ -224,3 +224,8 @@ def test_scheduler_metrics_are_exposed_for_scraping() -> None:
 
 def test_the_readiness_service_is_the_engines_grpc_name() -> None:
     assert ENGINE_SERVICE == engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+
+
+def test_the_model_display_name_is_not_configuration_so_changing_it_restarts_nothing() -> None:
+    renamed = render(OWNER, parse_spec({"model": {"id": "another-name"}}))
+    assert renamed == render(OWNER, parse_spec({}))

@@ -21,7 +21,6 @@ helm.sh/chart: {{ .root.Chart.Name }}-{{ .root.Chart.Version }}
 {{- end }}
 
 {{- define "prefixcache.configData" -}}
-PREFIXCACHE_MODEL_ID: {{ .Values.model.id | quote }}
 {{- if .Values.otel.endpoint }}
 OTEL_TRACES_EXPORTER: otlp
 OTEL_EXPORTER_OTLP_ENDPOINT: {{ .Values.otel.endpoint | quote }}
