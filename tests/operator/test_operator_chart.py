@@ -106,6 +106,10 @@ def test_operator_is_opt_in_and_reads_no_secrets(chart: Any) -> None:
     assert set(objects) == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment"}
     resources = {r for rule in objects["ClusterRole"]["rules"] for r in rule["resources"]}
     assert "secrets" not in resources and "prefixcachedeployments/status" in resources
+    # Owner references with blockOwnerDeletion need update on the owner's finalizers where that is enforced.
+    finalizer_rules = [rule for rule in objects["ClusterRole"]["rules"]
+                       if rule["resources"] == ["prefixcachedeployments/finalizers"]]
+    assert [rule["verbs"] for rule in finalizer_rules] == [["update"]]
     args = objects["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[:4] == ["run", "--standalone", "-m", "prefixcache.operator.handlers"]
 
