@@ -69,9 +69,9 @@ class StagedGroup:
 
     def advance(self, tables: list[list[int]], lens: list[int]) -> None:
         """Move to this step: each member gained one position, its newest."""
-        self._previous_lens = [length - 1 for length in lens]
+        positions = [length - 1 for length in lens]  # each member's newest, and what it held before
+        self._previous_lens = positions
         self.tables, self.lens = tables, lens
-        positions = [length - 1 for length in lens]
         slots = [table[p // self.block_size] * self.block_size + p % self.block_size
                  for table, p in zip(tables, positions)]
         self._newest = (torch.arange(len(lens)), torch.tensor(positions), torch.tensor(slots))

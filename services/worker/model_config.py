@@ -12,9 +12,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Each supported architecture by the `model_type` that names it in configs without `architectures`.
 _ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURE_OF_MODEL_TYPE.values())
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@ Greedy when temperature is 0; otherwise temperature (at least `MIN_TEMPERATURE`)
 top-p (nucleus) filtering and a draw from the request's own generator. A seeded request's draw for
 sequence position p comes from its generator reseeded with `position_seed(seed, p)`: its tokens
 depend on neither what shares the batch nor preemption (a preempted request comes back to the
-worker as a new one, and a generator seeded once would replay its first draws). Logprobs, when asked for, are those of the model's raw
-distribution (before temperature and filtering), as OpenAI-style APIs report them.
+worker as a new one, and a generator seeded once would replay its first draws). Logprobs, when
+asked for, are those of the model's raw distribution (before temperature and filtering), as
+OpenAI-style APIs report them.
 """
 from __future__ import annotations
 
