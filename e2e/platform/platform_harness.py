@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 from pathlib import Path
 
 from prefixcache.services.cli.launcher import LocalPlatform, PlatformConfig, free_port
@@ -34,7 +35,7 @@ def start_platform(log_dir: Path, extra_scheduler_args: list[str] = ()) -> Local
             engine_port=free_port(),
             engine_host="127.0.0.1",
             kv_cache_memory=KV_CACHE_MEMORY,
-            scheduler_args=[*SCHEDULER_ARGS, *extra_scheduler_args],
+            scheduler_args=[*SCHEDULER_ARGS, "--metrics-port", str(free_port()), *extra_scheduler_args],
             env=TRACING_ENV,
         )
     )
@@ -54,6 +55,14 @@ def stop_platform(platform: LocalPlatform) -> None:
         f"{statuses}\n" + "\n".join(f"--- {s.name}\n{s.log_tail()}" for s in platform.services)
     )
 
+
+def scrape_metrics(platform: LocalPlatform) -> dict[str, float]:
+    """The scheduler's Prometheus samples, `name{labels}` -> value."""
+    args = platform.config.scheduler_args
+    url = f"http://127.0.0.1:{args[args.index('--metrics-port') + 1]}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        lines = reply.read().decode().splitlines()
+    return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in lines if not line.startswith("#"))}
 
 
 async def wait_idle(target: str, timeout_s: float = 30.0):

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from platform_harness import run, start_platform, stop_platform, wait_idle
+from platform_harness import run, scrape_metrics, start_platform, stop_platform, wait_idle
 from platform_prompts import question, shared_prefix
 
 from prefixcache.protos.engine.v1 import engine_pb2 as pb
@@ -105,13 +105,21 @@ def greedy_with_and_without(target: str, prompt: str, max_tokens: int, **option)
     return run(main())
 
 
-def test_stop_strings_end_the_text_before_the_match(target: str) -> None:
+def test_stop_strings_end_the_text_before_the_match(platform: LocalPlatform, target: str) -> None:
     prompt = "Count from one to ten in words, separated by commas: one, two,"
+    before = scrape_metrics(platform)
     free, stopped = greedy_with_and_without(target, prompt, 24, stop=["five"])
     assert "five" in free.text, f"the model should count past five: {free.text!r}"
     assert stopped.finish_reason == "stop"
     assert stopped.text == free.text[: free.text.index("five")]
     assert stopped.usage.completion_tokens < free.usage.completion_tokens
+    # The metrics count what the clients were told: the free run's reason, and "stop", never "abort".
+    after = scrape_metrics(platform)
+    expected = {"length": 0, "stop": 1, "abort": 0}
+    expected[free.finish_reason] += 1
+    for reason, more in expected.items():
+        series = f'prefixcache_requests_finished_total{{finish_reason="{reason}"}}'
+        assert after.get(series, 0) - before.get(series, 0) == more, reason
 
 
 def test_logprobs_come_with_each_token_and_agree_with_greedy_choice(target: str) -> None:

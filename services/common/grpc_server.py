@@ -29,6 +29,9 @@ CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 )
+# gRPC sets SO_REUSEPORT by default, so a second server on a taken port starts "fine" and the kernel
+# splits connections between the two (two engines with two caches behind one address): refuse instead.
+SERVER_OPTIONS = (*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0))
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,7 @@ async def run_server(
     a service's status yourself while serving; this sets every service's on start and stop.
     """
     configure_tracing(service_name)
-    server = aio.server(interceptors=[ServerTracingInterceptor()], options=CHANNEL_OPTIONS)
+    server = aio.server(interceptors=[ServerTracingInterceptor()], options=SERVER_OPTIONS)
     health = health or health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     for servicer in servicers:

@@ -23,7 +23,7 @@ from prefixcache.services.common.block_identity import BlockHasher
 from prefixcache.services.common.step import SchedulerStep, StepOutput
 from prefixcache.services.scheduler.kv_cache import CacheStats, KVCacheManager
 from prefixcache.services.scheduler.metrics import SchedulerMetrics
-from prefixcache.services.scheduler.request import EngineRequest, RequestOutput, Usage
+from prefixcache.services.scheduler.request import FINISH_ABORT, EngineRequest, RequestOutput, Usage
 from prefixcache.services.scheduler.scheduler import Scheduler, SchedulerConfig
 
 __all__ = [
@@ -184,12 +184,13 @@ class EngineCore:
             if not finished and self._streams.get(request_id) is queue:
                 self.abort(request_id)  # the client went away: free its blocks now
 
-    def abort(self, request_id: str) -> None:
-        """End a request now and free its blocks; its stream gets a last output with reason "abort".
+    def abort(self, request_id: str, reason: str = FINISH_ABORT) -> None:
+        """End a request now and free its blocks; its stream gets a last output with `reason`
+        ("abort" unless the caller ended it for another reason, a stop string: "stop").
         Unknown or finished ids are ignored."""
         if self._scheduler is None:
             return
-        output = self._scheduler.abort(request_id)
+        output = self._scheduler.abort(request_id, reason)
         if output is not None:
             self._deliver(output)
             self._wakeup.set()  # tell the worker to drop it

@@ -37,6 +37,7 @@ from prefixcache.services.scheduler.engine_core import (
     RequestRejected,
 )
 from prefixcache.services.scheduler.kv_cache import CacheAccount, EvictionBatch
+from prefixcache.services.scheduler.request import FINISH_STOP
 from prefixcache.services.scheduler.stop_strings import StopStringMatcher
 from prefixcache.services.scheduler.tenancy import TenantSalts
 from prefixcache.services.scheduler.tokenizer_client import StreamingDetokenizer, TokenizerClient
@@ -311,7 +312,8 @@ class _Stream:
                 new_text = await self._detokenizer.push(output.new_token_ids, last=output.finished)
                 text = self._stops.push(new_text, final=output.finished)
                 if self._stops.stopped:
-                    self._engine.abort(self._request_id)  # its final output, with the usage, follows
+                    # Its final output, with the usage, follows, finished for reason "stop".
+                    self._engine.abort(self._request_id, FINISH_STOP)
             if output.finished:
                 self.finished = True
                 reason = "stop" if self._stops.stopped else output.finish_reason

@@ -12,7 +12,7 @@ from prefixcache.services.common.block_identity import BlockExtras
 from prefixcache.services.common.step import SamplingParams, TokenLogprobs
 from prefixcache.services.scheduler.kv_cache import CacheAccount, EvictionBatch, KVRequest
 
-FINISH_STOP = "stop"  # EOS or a stop token (stop strings are matched by the servicer, which then aborts)
+FINISH_STOP = "stop"  # EOS, a stop token, or a stop string (matched by the servicer, which then ends the request)
 FINISH_LENGTH = "length"  # max_tokens or the model's maximum length reached
 FINISH_ABORT = "abort"  # client cancel, deadline, shutdown
 

@@ -295,12 +295,13 @@ class Scheduler:
 
     # ---- ending requests from outside -----------------------------------------------------------
 
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """End a request now and free its blocks. Unknown or finished ids are ignored (returns None)."""
+    def abort(self, request_id: str, reason: str = FINISH_ABORT) -> RequestOutput | None:
+        """End a request now and free its blocks; its last output carries `reason` (FINISH_STOP when
+        the servicer matched a stop string). Unknown or finished ids are ignored (returns None)."""
         request = self.requests.get(request_id)
         if request is None:
             return None
-        output = self._output(request, [], FINISH_ABORT)
+        output = self._output(request, [], reason)
         self._finish(request)
         return output
 

@@ -19,17 +19,18 @@ from prefixcache.services.common.grpc_client import is_serving, open_channel, wa
 
 def test_tokenizer_process_serves_health_and_reflection_and_exits_0_on_sigterm(model_dir: Path, tmp_path: Path) -> None:
     port = free_port()
+    command = [sys.executable, "-m", "prefixcache.services.cli.main", "tokenizer", "--host", "127.0.0.1",
+               "--port", str(port), "--model-dir", str(model_dir)]  # fmt: skip
     log = (tmp_path / "tokenizer.log").open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "prefixcache.services.cli.main", "tokenizer", "--host", "127.0.0.1",
-         "--port", str(port), "--model-dir", str(model_dir)],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
         asyncio.run(wait_until_serving(f"127.0.0.1:{port}", timeout_s=60, service="prefixcache.tokenizer.v1.Tokenizer"))
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # the reflection client is synchronous
             services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
         assert {"prefixcache.tokenizer.v1.Tokenizer", "grpc.health.v1.Health"} <= services
+        # A second server on the same port must fail, not share the port with the first.
+        second = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1 and "cannot listen" in second.stderr, second.stderr[-2000:]
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
     finally:
