@@ -56,3 +56,33 @@ def test_a_failed_call_exits_non_zero_with_the_status(target: str) -> None:
     result = prefixcache("generate", "hi", "--target", target, "--top-p", "2")
     assert result.returncode == 1
     assert result.stderr.strip() == "error: INVALID_ARGUMENT: sampling.top_p: must be in (0, 1], got 2.0"
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--seed", "-1", "--seed: must be in [0, 18446744073709551615], got -1"),
+        ("--stop-token-id", "-1", "--stop-token-id: must be in [0, 4294967295], got -1"),
+        ("--max-tokens", "99999999999", "--max-tokens: must be in [1, 2147483647], got 99999999999"),
+        ("--system", "/nonexistent/system.txt", "--system: cannot read /nonexistent/system.txt"),
+    ],
+)
+def test_out_of_range_options_are_usage_errors_not_tracebacks(option: str, value: str, message: str) -> None:
+    result = prefixcache("generate", "Hello", "--target", "127.0.0.1:1", option, value)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_chat_goes_on_after_an_empty_reply_and_a_refused_turn(target: str) -> None:
+    # Any first token holding a letter, digit, space or newline stops before it: an empty reply.
+    stops = [f"--stop={c}" for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 \n"]
+    session = subprocess.run(
+        [sys.executable, "-m", "prefixcache.services.cli.main", "chat", "--target", target, "--max-tokens", "4",
+         "--temperature", "0", *stops],
+        input="Hello\n" + "x" * 40_000 + "\nWhat is 2+2?\n", capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    # Turn 1 is empty and dropped; turn 2 is too long and refused; turn 3 still goes out, with a
+    # history the server accepts (an empty assistant message would be refused).
+    assert session.stderr.count("(empty reply: turn not kept)") == 2, session.stderr
+    assert session.stderr.count("error: INVALID_ARGUMENT") == 1, session.stderr
+    assert session.stderr.count("[stop] prompt") == 2
+    assert session.returncode == 1

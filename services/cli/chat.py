@@ -1,44 +1,59 @@
 """`prefixcache chat`: an interactive conversation; every turn resends the history, so the previous
-turns come from the prefix cache (the usage line after each reply shows how many tokens)."""
+turns come from the prefix cache (the usage line after each reply shows how many tokens).
+
+A turn that fails (the server refused it, or it produced no text) is reported and left out of the
+history, and the conversation goes on; the exit status is 1 if any turn failed.
+"""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+import sys
 
-from prefixcache.services.cli.client_args import add_sampling, add_target, report_rpc_errors, sampling_kwargs
+import grpc
+
+from prefixcache.services.cli.client_args import add_sampling, add_target, report_rpc_errors, sampling_kwargs, text_file
 from prefixcache.services.cli.generate import print_usage
 from prefixcache.services.common.engine_client import Completion, EngineClient, build_request
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_target(parser)
-    parser.add_argument("--system", type=Path, metavar="FILE", help="system prompt file")
+    parser.add_argument("--system", type=text_file, metavar="FILE", help="system prompt file")
     add_sampling(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     history: list[tuple[str, str]] = []
     if args.system is not None:
-        history.append(("system", args.system.read_text()))
+        history.append(("system", args.system))
 
     async def main() -> int:
+        failed = False
         async with EngineClient(args.target) as engine:
             while True:
                 try:
                     line = input("you> ")
                 except EOFError:
                     print()
-                    return 0
+                    return 1 if failed else 0
                 if not line.strip():
                     continue
-                history.append(("user", line))
                 completion = Completion()
                 print("assistant> ", end="", flush=True)
-                async for chunk in engine.generate(build_request(messages=history, **sampling_kwargs(args))):
-                    completion.add(chunk)
-                    print(chunk.text, end="", flush=True)
+                request = build_request(messages=[*history, ("user", line)], **sampling_kwargs(args))
+                try:
+                    async for chunk in engine.generate(request):
+                        completion.add(chunk)
+                        print(chunk.text, end="", flush=True)
+                except grpc.aio.AioRpcError as error:
+                    print(f"\nerror: {error.code().name}: {error.details()} (turn not kept)", file=sys.stderr)
+                    failed = True
+                    continue
                 print()
                 print_usage(completion)
-                history.append(("assistant", completion.text))
+                if completion.text:
+                    history.extend([("user", line), ("assistant", completion.text)])
+                else:  # an empty assistant message cannot be sent back: drop the whole turn
+                    print("(empty reply: turn not kept)", file=sys.stderr)
 
     return report_rpc_errors(main)

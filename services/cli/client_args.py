@@ -9,6 +9,34 @@ import grpc
 
 from prefixcache.services.common.engine_client import DEFAULT_TARGET
 
+INT32_MAX = 2**31 - 1
+UINT32_MAX = 2**32 - 1
+UINT64_MAX = 2**64 - 1
+
+
+def bounded_int(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high] (the range of the request field it fills)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {value}")
+        return value
+
+    return parse
+
+
+def text_file(path: str) -> str:
+    """An argparse type: the contents of a UTF-8 text file."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            return file.read()
+    except (OSError, UnicodeDecodeError) as error:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {error}") from None
+
 
 def add_target(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET, metavar="HOST:PORT", help=f"Engine API (default {DEFAULT_TARGET})")
@@ -16,13 +44,15 @@ def add_target(parser: argparse.ArgumentParser) -> None:
 
 def add_sampling(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, help="most tokens to generate (default: up to the model's length)")
+    group.add_argument("--max-tokens", type=bounded_int(1, INT32_MAX),
+                       help="most tokens to generate (default: up to the model's length)")
     group.add_argument("--temperature", type=float, help="0 is greedy (default 1.0)")
     group.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1] (default 1.0)")
-    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
-    group.add_argument("--seed", type=int, help="per-request seed for reproducible sampling")
+    group.add_argument("--top-k", type=bounded_int(0, INT32_MAX), default=0, help="keep the k most likely tokens (0: off)")
+    group.add_argument("--seed", type=bounded_int(0, UINT64_MAX), help="per-request seed for reproducible sampling")
     group.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
-    group.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID", help="stop token id (repeatable)")
+    group.add_argument("--stop-token-id", action="append", type=bounded_int(0, UINT32_MAX), default=[], metavar="ID",
+                       help="stop token id (repeatable)")
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     isolation = parser.add_mutually_exclusive_group()
     isolation.add_argument("--cache-salt", help="share cached prefixes only with requests using this salt")

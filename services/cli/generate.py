@@ -10,20 +10,27 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-from prefixcache.services.cli.client_args import add_sampling, add_target, report_rpc_errors, sampling_kwargs
+from prefixcache.services.cli.client_args import (
+    UINT32_MAX,
+    add_sampling,
+    add_target,
+    bounded_int,
+    report_rpc_errors,
+    sampling_kwargs,
+    text_file,
+)
 from prefixcache.services.common.engine_client import Completion, EngineClient, build_request
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the prompt text")
     add_target(parser)
-    parser.add_argument("--system", type=Path, metavar="FILE", help="system prompt file (makes the request a chat)")
+    parser.add_argument("--system", type=text_file, metavar="FILE", help="system prompt file (makes the request a chat)")
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     parser.add_argument("--request-id", default="", help="client request id (default: server-assigned)")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
-    parser.add_argument("--logprobs", type=int, default=0, metavar="N",
+    parser.add_argument("--logprobs", type=bounded_int(0, UINT32_MAX), default=0, metavar="N",
                         help="with --json: each token's log-probability and the N most likely tokens (1-20)")
     add_sampling(parser)
 
@@ -35,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     options = {"request_id": args.request_id, "logprobs": args.logprobs, **sampling_kwargs(args)}
     if args.system is not None:
-        request = build_request(messages=[("system", args.system.read_text()), ("user", args.prompt)], **options)
+        request = build_request(messages=[("system", args.system), ("user", args.prompt)], **options)
     elif args.chat:
         request = build_request(messages=[("user", args.prompt)], **options)
     else:
