@@ -64,11 +64,11 @@ class TextTokenizer:
         """`decode` for ids already known to be inside the vocabulary."""
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def check_ids(self, token_ids: Sequence[int]) -> None:
+    def check_ids(self, token_ids: Sequence[int], field: str = "token_ids") -> None:
         for position, token_id in enumerate(token_ids):
             if not 0 <= token_id < self.vocab_size:
                 raise ValueError(
-                    f"token_ids[{position}] = {token_id} is outside the vocabulary (0..{self.vocab_size - 1})"
+                    f"{field}[{position}] = {token_id} is outside the vocabulary (0..{self.vocab_size - 1})"
                 )
 
     def render_chat(self, turns: Sequence[ChatTurn], add_generation_prompt: bool = True) -> str:
@@ -130,18 +130,28 @@ class IncrementalDetokenizer:
     Byte-level BPE tokens can end in the middle of a multi-byte character; decoding such a prefix
     yields U+FFFD. Each delta is the text of a small window of recent ids, taken only once it no
     longer ends in U+FFFD, so the work per token stays constant however long the stream runs.
+
+    The deltas add up to the decode of the new ids, with one exception: a byte-fallback decoder
+    (Llama 2, Mistral) turns a whole run of byte tokens into U+FFFD when the run ends inside a
+    character, including bytes whose character was already sent. A stream never takes back text,
+    so it keeps that character and adds one U+FFFD per dangling byte.
     """
 
     # Ids before the first new one kept as decoding context: leading spaces and merges depend on them.
     CONTEXT_TOKENS = 5
 
     def __init__(self, tokenizer: TextTokenizer, prefix_ids: Sequence[int] = (), skip_special_tokens: bool = False):
-        tokenizer.check_ids(prefix_ids)
+        tokenizer.check_ids(prefix_ids, "prefix_token_ids")
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
-        self._ids: list[int] = list(prefix_ids)
-        self._read_offset = len(self._ids)  # ids before this have been emitted (or were context)
-        self._prefix_offset = max(0, self._read_offset - self.CONTEXT_TOKENS)
+        context = list(prefix_ids[-self.CONTEXT_TOKENS :])
+        # A prefix that ends inside a character decodes to U+FFFD, which the first new bytes would
+        # rewrite: leave those ids out, so the new ids' text is theirs alone.
+        while context and tokenizer.decode_checked(context, skip_special_tokens).endswith("\ufffd"):
+            context.pop()
+        self._ids: list[int] = context
+        self._read_offset = len(context)  # ids before this have been emitted (or were context)
+        self._prefix_offset = 0
 
     def push(self, new_ids: Sequence[int], last: bool = False) -> str:
         """Add ids; return the text they complete (possibly empty). With `last`, also the text still
@@ -153,8 +163,14 @@ class IncrementalDetokenizer:
         decode = self._tokenizer.decode_checked
         already = decode(self._ids[self._prefix_offset : self._read_offset], self._skip_special)
         text = decode(self._ids[self._prefix_offset :], self._skip_special)
-        if len(text) <= len(already) or (text.endswith("\ufffd") and not last):
+        if text.endswith("\ufffd") and not last:
+            return ""
+        if text.startswith(already):
+            delta = text[len(already) :]
+        else:  # the decoder rewrote text already sent (see the class docstring): keep it
+            delta = decode(self._ids[self._read_offset :], self._skip_special)
+        if not delta:  # e.g. a skipped special token: wait for text
             return ""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        return text[len(already) :]
+        return delta

@@ -150,6 +150,40 @@ def test_stream_decodes_in_the_context_of_the_prompt(tokenizer: TextTokenizer) -
     run(tokenizer, body)
 
 
+def test_a_prompt_ending_inside_a_character_does_not_swallow_the_first_text(tokenizer: TextTokenizer) -> None:
+    # A prompt cut inside a character (e.g. token ids sent by a client), then generated ids whose
+    # first one is that character's last byte: the stream is the generated ids' own text.
+    character = tokenizer.encode("你")
+    assert len(character) > 1, "the test needs a character split over several byte tokens"
+    prompt = tokenizer.encode("Hi ") + character[:-1]
+    generated = character[-1:] + tokenizer.encode("a ok")
+
+    async def body(stub: pb_grpc.TokenizerStub) -> None:
+        async def requests():
+            yield pb.DetokenizeStreamRequest(prefix_token_ids=prompt, token_ids=generated[:1])
+            for index, token_id in enumerate(generated[1:], 2):
+                yield pb.DetokenizeStreamRequest(token_ids=[token_id], last=index == len(generated))
+
+        pieces = [reply.text async for reply in stub.DetokenizeStream(requests())]
+        detokenized = await stub.Detokenize(pb.DetokenizeRequest(token_ids=generated))
+        assert "".join(pieces) == detokenized.text == "\ufffda ok"
+
+    run(tokenizer, body)
+
+
+def test_an_out_of_vocabulary_prefix_id_is_named_as_such(tokenizer: TextTokenizer) -> None:
+    async def body(stub: pb_grpc.TokenizerStub) -> None:
+        async def requests():
+            yield pb.DetokenizeStreamRequest(prefix_token_ids=[1, tokenizer.vocab_size], token_ids=[1])
+
+        with pytest.raises(grpc.RpcError) as error:
+            [reply async for reply in stub.DetokenizeStream(requests())]
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.value.details().startswith("prefix_token_ids[1]")
+
+    run(tokenizer, body)
+
+
 def test_info_describes_the_vocabulary(tokenizer: TextTokenizer) -> None:
     async def body(stub: pb_grpc.TokenizerStub) -> None:
         info = await stub.GetInfo(pb.GetInfoRequest())
