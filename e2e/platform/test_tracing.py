@@ -132,3 +132,28 @@ def test_evictions_are_span_events_naming_block_hashes(platform: LocalPlatform, 
     eventually(lambda: len(eviction_events()) >= after - before, "fewer eviction events than evictions")
     events = eviction_events()
     assert all(len(bytes.fromhex(e["attributes"]["prefix_cache.block_hash"])) == 32 for e in events)  # sha256
+
+
+def test_a_cancelled_request_span_reports_what_it_delivered(platform: LocalPlatform, target: str) -> None:
+    trace_id = 0x5EED00000000000000000000000CA5E1
+    caller = SpanContext(trace_id, CALLER_SPAN_ID, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+
+    async def main() -> int:
+        async with EngineClient(target) as engine:
+            with trace.use_span(NonRecordingSpan(caller)):
+                call = engine.generate(build_request(text="Count to one hundred:", max_tokens=200, temperature=0.0,
+                                                     ignore_eos=True))
+                delivered = 0
+                while delivered < 3:
+                    delivered += len((await call.read()).token_ids)
+                call.cancel()
+                return delivered
+
+    delivered = run(main())
+    log = platform.scheduler.log_path
+    eventually(lambda: any(s["name"] == "generate" for s in spans_of_trace(log, trace_id)),
+               "the scheduler exported no span for the cancelled request")
+    attributes = next(s for s in spans_of_trace(log, trace_id) if s["name"] == "generate")["attributes"]
+    assert attributes["gen_ai.response.finish_reasons"] == ["abort"]
+    # At least what the client read; the server may have sent a few more before it saw the cancel.
+    assert delivered <= attributes["gen_ai.usage.output_tokens"] < 200

@@ -84,7 +84,9 @@ class EngineServicer(pb_grpc.EngineServicer):
     ):
         self._request_spans = request_spans or SpanRegistry()
         self._engine = engine
-        self._num_generating = 0
+        # Ids of open Generate calls. An id stays taken until its call ends, not only until the
+        # engine finishes the request: the call still aborts by id when it stops or is cancelled.
+        self._open_request_ids: set[str] = set()
         self._no_generate_calls = asyncio.Event()
         self._no_generate_calls.set()
         self._tokenizer = tokenizer
@@ -106,18 +108,22 @@ class EngineServicer(pb_grpc.EngineServicer):
         return True
 
     async def Generate(self, request: pb.GenerateRequest, context: aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        self._num_generating += 1
+        request_id = request.request_id or uuid.uuid4().hex
+        if request_id in self._open_request_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {request_id!r} is already in flight")
+        self._open_request_ids.add(request_id)
         self._no_generate_calls.clear()
         try:
-            async for response in self._generate(request, context):
+            async for response in self._generate(request_id, request, context):
                 yield response
         finally:
-            self._num_generating -= 1
-            if not self._num_generating:
+            self._open_request_ids.discard(request_id)
+            if not self._open_request_ids:
                 self._no_generate_calls.set()
 
-    async def _generate(self, request: pb.GenerateRequest, context: aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
-        request_id = request.request_id or uuid.uuid4().hex
+    async def _generate(
+        self, request_id: str, request: pb.GenerateRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         with _tracer.start_as_current_span("generate", attributes=self._request_attributes(request_id, request)) as span:
             try:
                 self._check_options(request)
@@ -300,31 +306,42 @@ class _Stream:
         self.last: RequestOutput | None = None
         self.account: CacheAccount | None = None
         self.evictions: list[EvictionBatch] = []
+        self.delivered_tokens = 0  # token ids sent to the client
 
     async def responses(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[pb.GenerateResponse]:
+        """Responses for the engine's outputs. Once a stop string matched, the tokens the engine
+        generated meanwhile (it runs ahead of detokenizing) are dropped: the client gets the ids up
+        to the one completing the match, and the usage counts those."""
         async for output in outputs:
             self.last = output
             self.evictions.extend(output.evictions)
             if output.cache_account is not None:
                 self.account = output.cache_account
-            text = ""
-            if not self._stops.stopped:
-                new_text = await self._detokenizer.push(output.new_token_ids, last=output.finished)
-                text = self._stops.push(new_text, final=output.finished)
-                if self._stops.stopped:
-                    # Its final output, with the usage, follows, finished for reason "stop".
-                    self._engine.abort(self._request_id, FINISH_STOP)
+            if self._stops.stopped:
+                if output.finished:
+                    self.finished = True
+                    yield self._response(output, "", "stop", with_tokens=False)
+                    return
+                continue
+            new_text = await self._detokenizer.push(output.new_token_ids, last=output.finished)
+            text = self._stops.push(new_text, final=output.finished)
+            self.delivered_tokens += len(output.new_token_ids)
+            if self._stops.stopped:
+                # Its final output, with the usage, follows, finished for reason "stop".
+                self._engine.abort(self._request_id, FINISH_STOP)
             if output.finished:
                 self.finished = True
-                reason = "stop" if self._stops.stopped else output.finish_reason
-                yield self._response(output, text, reason)
+                yield self._response(output, text, "stop" if self._stops.stopped else output.finish_reason)
                 return
             if output.new_token_ids or text or output.cache_account is not None:
                 yield self._response(output, text, None)
 
-    def _response(self, output: RequestOutput, text: str, reason: str | None) -> pb.GenerateResponse:
-        response = pb.GenerateResponse(request_id=self._request_id, token_ids=output.new_token_ids, text=text)
-        response.logprobs.extend(logprobs_to_proto(logprobs) for logprobs in output.logprobs)
+    def _response(self, output: RequestOutput, text: str, reason: str | None,
+                  with_tokens: bool = True) -> pb.GenerateResponse:
+        response = pb.GenerateResponse(request_id=self._request_id, text=text)
+        if with_tokens:
+            response.token_ids.extend(output.new_token_ids)
+            response.logprobs.extend(logprobs_to_proto(logprobs) for logprobs in output.logprobs)
         if output.cache_account is not None:
             response.cache_account.CopyFrom(account_to_proto(output.cache_account))
         if reason is not None:
@@ -334,7 +351,7 @@ class _Stream:
                 pb.Usage(
                     prompt_tokens=output.usage.prompt_tokens,
                     cached_tokens=output.usage.cached_tokens,
-                    completion_tokens=output.usage.completion_tokens,
+                    completion_tokens=self.delivered_tokens,
                 )
             )
         return response
@@ -343,14 +360,20 @@ class _Stream:
         await self._detokenizer.close()
 
     def annotate(self, span: trace.Span) -> None:
-        """Usage, cache account and evictions on the request's span (hashes only, never text)."""
-        if self.last is not None and self.last.usage is not None:
-            usage = self.last.usage
-            span.set_attribute("gen_ai.usage.output_tokens", usage.completion_tokens)
-            span.set_attribute("gen_ai.usage.cache_read.input_tokens", usage.cached_tokens)
-        if self.last is not None and self.last.finish_reason is not None:
-            reason = "stop" if self._stops.stopped else self.last.finish_reason
-            span.set_attribute("gen_ai.response.finish_reasons", [reason])
+        """Usage, cache account and evictions on the request's span (hashes only, never text).
+
+        A stream that ended before its final output (cancelled, deadline, error) reports the tokens
+        it delivered and finish reason "abort"."""
+        span.set_attribute("gen_ai.usage.output_tokens", self.delivered_tokens)
+        if self.account is not None:
+            span.set_attribute("gen_ai.usage.cache_read.input_tokens", self.account.hit_tokens)
+        if self._stops.stopped:
+            reason = "stop"
+        elif self.finished and self.last is not None and self.last.finish_reason is not None:
+            reason = self.last.finish_reason
+        else:
+            reason = "abort"
+        span.set_attribute("gen_ai.response.finish_reasons", [reason])
         if self.account is not None:
             span.set_attribute("prefix_cache.blocks_queried", self.account.queried_blocks)
             span.set_attribute("prefix_cache.blocks_matched", self.account.hit_blocks)

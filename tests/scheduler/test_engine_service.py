@@ -1,0 +1,110 @@
+"""The Engine servicer over real gRPC, with the real tokenizer service, on the simulated worker: what
+only the servicer decides (stop strings, which request an id names). The simulated worker computes a
+step in no time, so the engine runs far ahead of the detokenizing that each output waits for."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from grpc import aio
+
+from prefixcache.protos.engine.v1 import engine_pb2 as pb
+from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
+from prefixcache.services.common.engine_client import Completion, EngineClient, build_request
+from prefixcache.services.scheduler.engine_core import EngineCore, SchedulerConfig
+from prefixcache.services.scheduler.engine_service import EngineServicer
+from prefixcache.services.scheduler.tokenizer_client import TokenizerClient
+from prefixcache.services.tokenizer.server import servicer as tokenizer_servicer
+from prefixcache.services.tokenizer.text import TextTokenizer
+
+from sim_worker import SimulatedWorker, reference_generation
+
+PROMPT = list(range(300, 311))
+SPECIAL_IDS = tuple(range(17))  # SmolLM2's special tokens: never generated, so all text shows
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> TextTokenizer:
+    from prefixcache.services.common.model_store import ensure_default_model
+
+    return TextTokenizer(ensure_default_model())
+
+
+@contextlib.asynccontextmanager
+async def engine_api(tokenizer: TextTokenizer) -> AsyncIterator[tuple[str, EngineCore]]:
+    """(Engine API address, its EngineCore): a tokenizer server and an Engine server on loopback."""
+    tokenizer_server, engine_server = aio.server(), aio.server()
+    tokenizer_servicer(tokenizer).add_to_server(tokenizer_server)
+    tokenizer_port = tokenizer_server.add_insecure_port("127.0.0.1:0")
+    await tokenizer_server.start()
+    worker = SimulatedWorker(num_kv_blocks=256, vocab_size=tokenizer.vocab_size, eos_token_ids=SPECIAL_IDS)
+    engine = EngineCore(SchedulerConfig(block_size=4, max_num_batched_tokens=64), worker)
+    await engine.start()
+    tokenizer_client = TokenizerClient(f"127.0.0.1:{tokenizer_port}")
+    pb_grpc.add_EngineServicer_to_server(EngineServicer(engine, tokenizer_client), engine_server)
+    engine_port = engine_server.add_insecure_port("127.0.0.1:0")
+    await engine_server.start()
+    try:
+        yield f"127.0.0.1:{engine_port}", engine
+        assert engine.cache_stats().used_blocks == 0, "blocks leaked"
+    finally:
+        await engine_server.stop(0)
+        await engine.shutdown(grace_s=1.0)
+        await tokenizer_client.close()
+        await tokenizer_server.stop(0)
+
+
+def stop_string_at(tokenizer: TextTokenizer, generated: list[int], first: int) -> tuple[int, str]:
+    """(k, s): the first k >= `first` whose token's text s is new, so stop=[s] matches at token k."""
+    for k in range(first, len(generated)):
+        before = tokenizer.decode(generated[:k])
+        through = tokenizer.decode(generated[: k + 1])
+        piece = through[len(before) :]
+        if len(piece.strip()) >= 2 and through.startswith(before) and "\ufffd" not in through and piece not in before:
+            return k, piece
+    raise AssertionError("no usable stop string in the reference generation")
+
+
+def test_tokens_generated_after_a_stop_string_matched_are_not_delivered(tokenizer: TextTokenizer) -> None:
+    generated = reference_generation(PROMPT, 200, tokenizer.vocab_size, frozenset(SPECIAL_IDS))
+    k, stop = stop_string_at(tokenizer, generated, 3)
+
+    async def main() -> Completion:
+        async with engine_api(tokenizer) as (target, _engine), EngineClient(target) as client:
+            return await client.complete(build_request(token_ids=PROMPT, max_tokens=200, stop=[stop]))
+
+    completion = asyncio.run(asyncio.wait_for(main(), 60))
+    assert completion.finish_reason == "stop"
+    assert completion.text == tokenizer.decode(generated[:k])
+    # The ids end with the token that completed the match, and the usage counts exactly those.
+    assert completion.token_ids == generated[: k + 1]
+    assert completion.usage.completion_tokens == k + 1
+
+
+def test_an_id_stays_taken_until_its_call_ends_so_a_late_stop_cannot_end_its_namesake(tokenizer: TextTokenizer) -> None:
+    generated = reference_generation(PROMPT, 200, tokenizer.vocab_size, frozenset(SPECIAL_IDS))
+    k, stop = stop_string_at(tokenizer, generated, 150)
+
+    async def main() -> None:
+        async with engine_api(tokenizer) as (target, engine), EngineClient(target) as client:
+            first = client.generate(build_request(token_ids=PROMPT, max_tokens=200, stop=[stop], request_id="x"))
+            await first.read()
+            while engine.num_running or engine.num_waiting:  # the engine is done with "x" ...
+                await asyncio.sleep(0.001)
+            # ... but its call is still detokenizing, and will abort "x" when it reaches the stop string.
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await client.complete(build_request(token_ids=[1000, 1001, 1002], max_tokens=50, request_id="x"))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert refused.value.details() == "request_id: 'x' is already in flight"
+            responses = []
+            while (response := await first.read()) is not aio.EOF:
+                responses.append(response)
+            assert responses[-1].finish_reason == pb.FINISH_REASON_STOP
+            # Once the call has ended the id is free again.
+            again = await client.complete(build_request(token_ids=[1000, 1001, 1002], max_tokens=5, request_id="x"))
+            assert again.finish_reason == "length" and len(again.token_ids) == 5
+
+    asyncio.run(asyncio.wait_for(main(), 60))
