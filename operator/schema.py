@@ -3,6 +3,11 @@
 The operator cannot assume the API server did this (an older CRD version may be installed, and tests run
 without one), so `.spec` is always defaulted and checked here before anything is rendered. CEL rules
 (`x-kubernetes-validations`) are not evaluated here; `spec.py` enforces the same rules in Python.
+
+Unknown fields: the API server refuses a CRD whose object nodes set both `properties` and
+`additionalProperties`, so the CRD cannot say "no other fields". The server prunes unknown fields, and
+`kubectl apply` (strict field validation, its default) refuses them; the operator refuses them too, by
+validating against the schema with every object that lists its properties closed.
 """
 from __future__ import annotations
 
@@ -68,10 +73,22 @@ def _default_in_place(schema: Mapping[str, Any], value: Any) -> None:
             _default_in_place(schema["items"], item)
 
 
+def closed(schema: Mapping[str, Any]) -> dict[str, Any]:
+    """`schema` with `additionalProperties: false` on every object node that lists its properties."""
+    result = {key: value for key, value in schema.items()}
+    if "properties" in result:
+        result["properties"] = {name: closed(child) for name, child in result["properties"].items()}
+        result.setdefault("additionalProperties", False)
+    for key in ("items", "additionalProperties"):
+        if isinstance(result.get(key), Mapping):
+            result[key] = closed(result[key])
+    return result
+
+
 def schema_problems(schema: Mapping[str, Any], value: Any, prefix: str = "spec") -> list[str]:
-    """Every structural violation of `schema` by `value`, each as '<field path>: <what is wrong>'."""
+    """Every violation of `schema` by `value`, unknown fields included, each as '<field path>: <what is wrong>'."""
     problems = []
-    for error in jsonschema.Draft7Validator(schema).iter_errors(value):
+    for error in jsonschema.Draft7Validator(closed(schema)).iter_errors(value):
         path = ".".join([prefix, *(str(part) for part in error.absolute_path)])
         if error.validator == "additionalProperties":
             known = error.schema.get("properties", {})

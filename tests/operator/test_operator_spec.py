@@ -29,12 +29,26 @@ def test_crd_is_a_valid_custom_resource_definition(version: str) -> None:
     kubernetes_validate.validate(load_crd(), version, strict=True)
 
 
-def test_crd_schema_is_structural_and_closed() -> None:
-    """Every node has a type (or is int-or-string), and every object with properties rejects unknown ones."""
+def test_crd_schema_is_structural() -> None:
+    """What the API server checks beyond the CRD's own OpenAPI type: every node has a type (or is
+    int-or-string, typed only by the anyOf it allows), and no object both lists its properties and
+    sets additionalProperties ("additionalProperties and properties are mutual exclusive")."""
     for path, node in walk(spec_schema()):
         assert "type" in node or node.get("x-kubernetes-int-or-string"), path
-        if node.get("type") == "object" and "properties" in node:
-            assert node.get("additionalProperties") is False, f"{path} accepts unknown fields"
+        if node.get("x-kubernetes-int-or-string"):
+            assert "type" not in node and node.get("anyOf") == [{"type": "integer"}, {"type": "string"}], path
+        assert not ("properties" in node and "additionalProperties" in node), path
+
+
+@pytest.mark.parametrize(("spec", "field"), [
+    ({"replica": 2}, "spec.replica"),
+    ({"worker": {"gpu": 1}}, "spec.worker.gpu"),
+    ({"model": {"source": "Embedded", "name": "x"}}, "spec.model.name"),
+])
+def test_unknown_fields_are_refused_by_name(spec: dict[str, Any], field: str) -> None:
+    with pytest.raises(SpecError) as error:
+        parse_spec(spec)
+    assert f"{field}: unknown field" in error.value.problems
 
 
 def test_crd_has_status_subresource_and_printer_columns() -> None:
