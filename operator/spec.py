@@ -137,7 +137,7 @@ def parse_spec(raw_spec: Mapping[str, Any] | None) -> PrefixCacheSpec:
 
 
 def check_name(name: str) -> None:
-    """The CRD's CEL rule on metadata.name: every child's name and label value must stay valid."""
+    """The CRD's schema for metadata.name: every child's name and label value must stay valid."""
     if len(name) > MAX_NAME_LENGTH or not _DNS_1035_LABEL.fullmatch(name):
         raise SpecError([f"metadata.name: metadata.name must be a DNS-1035 label of at most {MAX_NAME_LENGTH} "
                          "characters (it names Services such as <name>-tokenizer)"])
