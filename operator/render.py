@@ -85,12 +85,22 @@ class Owner:
         return f"{self.engine_service}.{self.namespace}.svc:{ENGINE_PORT}"
 
 
+# What Go's encoding/json escapes inside strings beyond JSON's own rules (HTML-safe output).
+_GO_JSON_ESCAPES = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026",
+                                  "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def _go_json(value: Any) -> str:
+    """The bytes Helm's `toJson` writes (Go's json.Marshal): compact, keys sorted, UTF-8 kept as is,
+    and <, >, & and the line and paragraph separators escaped. The chart hashes its config this way,
+    so the chart and the operator roll pods for the same changes."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).translate(_GO_JSON_ESCAPES)
+
+
 def render(owner: Owner, spec: PrefixCacheSpec) -> list[dict[str, Any]]:
     """All objects of the stack, in apply order (config before the pods that read it)."""
     env_config = _config_map(owner, spec)
-    # Compact, key-sorted JSON: the same bytes as the chart's `toJson | sha256sum`, so both roll alike.
-    canonical = json.dumps(env_config["data"], sort_keys=True, separators=(",", ":"))
-    config_hash = hashlib.sha256(canonical.encode()).hexdigest()
+    config_hash = hashlib.sha256(_go_json(env_config["data"]).encode()).hexdigest()
     return [
         env_config,
         _service(owner, "tokenizer", owner.tokenizer_service, TOKENIZER_PORT),

@@ -107,6 +107,9 @@ def parse_spec(raw_spec: Mapping[str, Any] | None) -> PrefixCacheSpec:
         rules += [f"spec.worker.resources.{kind}.{worker['gpuResource']}: set GPUs with spec.worker.gpus, "
                   "which also tells the worker to use them" for kind in ("requests", "limits")
                   if worker["gpuResource"] in worker["resources"].get(kind, {})]
+        if worker["attentionBackend"] == "triton" and worker["gpus"] == 0:
+            rules.append("spec.worker: worker.attentionBackend triton needs GPUs (worker.gpus > 0); "
+                         "the CPU runs the torch backend")
     if problems or rules:
         raise SpecError(sorted(problems + rules))
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from prefixcache.operator.render import Owner, render
-from prefixcache.operator.spec import parse_spec
+from prefixcache.operator.spec import SpecError, parse_spec
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's Go SDK as a library) is not installed")
 
@@ -69,6 +69,20 @@ def test_schema_rejects_bad_values_by_name(chart: Any, values: dict[str, Any], f
     assert field in str(error.value)
 
 
+@pytest.mark.parametrize(("worker", "message"), [
+    ({"gpus": 0, "resources": {"limits": {"nvidia.com/gpu": "1"}}}, "worker.resources.limits.nvidia.com/gpu: set GPUs"),
+    ({"gpus": 2, "resources": {"requests": {"nvidia.com/gpu": "1"}}}, "worker.resources.requests.nvidia.com/gpu: set"),
+    ({"gpus": 0, "attentionBackend": "triton"}, "worker.attentionBackend triton needs GPUs"),
+])
+def test_chart_refuses_what_the_operator_refuses(chart: Any, worker: dict[str, Any], message: str) -> None:
+    spec = {"worker": worker}
+    with pytest.raises(SpecError):
+        parse_spec(spec)
+    with pytest.raises(helm.HelmError) as error:
+        rendered(chart, {"worker": worker})
+    assert message in str(error.value)
+
+
 @pytest.mark.parametrize("values", [pytest.param({}, id="defaults"),
                                     pytest.param({**values_for(SPEC), "operator": {"enabled": True}}, id="full")])
 @pytest.mark.parametrize("version", ["1.33", "1.37"])
@@ -89,7 +103,12 @@ def without_management(obj: dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
-@pytest.mark.parametrize("spec", [pytest.param({}, id="defaults"), pytest.param(SPEC, id="every-field")])
+@pytest.mark.parametrize("spec", [
+    pytest.param({}, id="defaults"),
+    pytest.param(SPEC, id="every-field"),
+    # Helm's toJson escapes <, > and & and keeps UTF-8: the config hashes must still agree.
+    pytest.param({"otel": {"endpoint": "http://otel:4317/?a=b&c=<d>&e=é"}}, id="json-escapes"),
+])
 def test_chart_and_operator_render_the_same_stack(chart: Any, spec: dict[str, Any]) -> None:
     values = values_for({"kvCacheMemory": "2Gi", **spec})
     from_chart = {(o["kind"], o["metadata"]["name"]): without_management(o) for o in rendered(chart, values)}
