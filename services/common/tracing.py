@@ -36,13 +36,10 @@ def configure_tracing(service_name: str) -> bool:
     exporters = _configured_exporters()
     if not exporters:
         return False
-    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    # OTEL_SERVICE_NAME, when set, wins over the default name given here.
-    resource = Resource.create({SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME", service_name)})
-    provider = TracerProvider(resource=resource)
+    provider = TracerProvider(resource=service_resource(service_name))
     for exporter in exporters:
         provider.add_span_processor(BatchSpanProcessor(exporter))
     trace.set_tracer_provider(provider)
@@ -56,6 +53,17 @@ def shutdown_tracing() -> None:
     provider = trace.get_tracer_provider()
     if _enabled and hasattr(provider, "shutdown"):
         provider.shutdown()
+
+
+def service_resource(service_name: str) -> Any:
+    """The SDK's resource from the environment; `service_name` only where neither OTEL_SERVICE_NAME
+    nor a `service.name` in OTEL_RESOURCE_ATTRIBUTES names the service."""
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+
+    resource = Resource.create()
+    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({SERVICE_NAME: service_name}))
+    return resource
 
 
 def tracing_enabled() -> bool:
@@ -76,6 +84,14 @@ def _configured_exporters() -> list[Any]:
             continue
         if name == "otlp":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            for variable in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+                protocol = os.environ.get(variable)
+                if protocol:
+                    break
+            if protocol not in (None, "", "grpc"):
+                raise ValueError(f"{variable}: {protocol!r} is not supported; the services export OTLP over gRPC "
+                                 "(protocol grpc, usually port 4317)")
 
             exporters.append(OTLPSpanExporter())
         elif name == "console":

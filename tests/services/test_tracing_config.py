@@ -5,9 +5,11 @@ import pytest
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-from prefixcache.services.common.tracing import _configured_exporters
+from prefixcache.services.common.tracing import _configured_exporters, service_resource
 
-OTEL_VARS = ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+OTEL_VARS = ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+             "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_SERVICE_NAME",
+             "OTEL_RESOURCE_ATTRIBUTES")
 
 
 @pytest.fixture(autouse=True)
@@ -37,3 +39,24 @@ def test_an_unknown_exporter_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin")
     with pytest.raises(ValueError, match="OTEL_TRACES_EXPORTER"):
         _configured_exporters()
+
+
+@pytest.mark.parametrize("variable", ["OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"])
+def test_otlp_over_http_is_refused_not_sent_to_a_grpc_exporter(monkeypatch: pytest.MonkeyPatch, variable: str) -> None:
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
+    monkeypatch.setenv(variable, "http/protobuf")
+    with pytest.raises(ValueError, match=f"{variable}: 'http/protobuf' is not supported"):
+        _configured_exporters()
+    monkeypatch.setenv(variable, "grpc")
+    assert [type(e) for e in _configured_exporters()] == [OTLPSpanExporter]
+
+
+@pytest.mark.parametrize(("environment", "name"), [
+    ({}, "prefixcache-scheduler"),
+    ({"OTEL_SERVICE_NAME": "chat-engine"}, "chat-engine"),
+    ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=chat-engine,deployment.environment=prod"}, "chat-engine"),
+])
+def test_the_service_name_comes_from_the_environment_first(monkeypatch, environment: dict[str, str], name: str) -> None:
+    for variable, value in environment.items():
+        monkeypatch.setenv(variable, value)
+    assert service_resource("prefixcache-scheduler").attributes["service.name"] == name
