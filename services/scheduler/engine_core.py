@@ -319,7 +319,7 @@ class EngineCore:
         log.warning("worker lost (%s); failing %d requests and re-initializing", error, len(self._streams))
         self._serving = False
         await self._announce_worker_availability(False)
-        self.metrics.worker_lost()
+        self.metrics.worker_lost(failed_requests=len(self._streams))
         assert self._scheduler is not None
         self._scheduler.drop_all()
         for request_id, queue in list(self._streams.items()):

@@ -43,8 +43,10 @@ class SchedulerMetrics(Collector):
         if output.finish_reason is not None:
             self._finished[output.finish_reason] = self._finished.get(output.finish_reason, 0) + 1
 
-    def worker_lost(self) -> None:
+    def worker_lost(self, failed_requests: int) -> None:
         self._worker_losses += 1
+        # Their streams end with UNAVAILABLE, not with an output: count them here.
+        self._finished["error"] = self._finished.get("error", 0) + failed_requests
 
     def exposition(self) -> bytes:
         """The text format, as an HTTP /metrics handler returns it."""
@@ -54,11 +56,13 @@ class SchedulerMetrics(Collector):
         def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
             return CounterMetricFamily(f"{PREFIX}_{name}", documentation, value=value)
 
-        yield counter("prompt_tokens", "Prompt tokens of admitted requests.", self._prompt_tokens)
+        yield counter("prompt_tokens", "Prompt tokens of accepted requests.", self._prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", self._generation_tokens)
         yield counter("worker_losses", "Times the worker was lost and re-initialized.", self._worker_losses)
         finished = CounterMetricFamily(
-            f"{PREFIX}_requests_finished", "Requests finished, by finish reason.", labels=["finish_reason"]
+            f"{PREFIX}_requests_finished",
+            "Requests finished, by finish reason: stop, length, abort, or error (lost with the worker).",
+            labels=["finish_reason"],
         )
         for reason, count in sorted(self._finished.items()):
             finished.add_metric([reason], count)
@@ -72,14 +76,16 @@ class SchedulerMetrics(Collector):
         yield counter("preemptions", "Requests preempted (recomputed) for lack of KV blocks.", counters.preemptions)
         yield counter("steps", "Scheduler steps executed.", counters.steps)
         stats = self._scheduler.kv_cache.stats()
+        # The states partition the pool, so sum() is the pool's size; "cached" cuts across them.
         blocks = GaugeMetricFamily(
             f"{PREFIX}_kv_blocks",
-            "KV blocks: used (held by requests), free (including cached ones no request holds), cached (holding reusable KV, used or free).",
+            "KV blocks: used (held by requests) or free (including cached ones no request holds).",
             labels=["state"],
         )
         blocks.add_metric(["used"], stats.used_blocks)
-        blocks.add_metric(["cached"], stats.cached_blocks)
         blocks.add_metric(["free"], stats.free_blocks)
         yield blocks
+        yield GaugeMetricFamily(f"{PREFIX}_kv_cached_blocks", "KV blocks holding reusable KV, used or free.",
+                                value=stats.cached_blocks)
         yield GaugeMetricFamily(f"{PREFIX}_requests_running", "Requests holding KV blocks.", value=self._scheduler.num_running)
         yield GaugeMetricFamily(f"{PREFIX}_requests_waiting", "Requests waiting for admission.", value=self._scheduler.num_waiting)
