@@ -25,6 +25,18 @@ def walk(schema: dict[str, Any], path: str = "spec"):
         yield from walk(schema["additionalProperties"], f"{path}.*")
 
 
+def test_cel_rules_hold_on_the_object_defaults_they_are_checked_against() -> None:
+    """The API server evaluates a node's CEL rules on its `default` as written (`{}`: the defaults
+    inside are not applied first), and a rule reading a missing field fails the whole CRD. So every
+    field a rule reads must be in that default or guarded by has()."""
+    for path, node in walk(spec_schema()):
+        if not isinstance(node.get("default"), dict):
+            continue
+        for rule in node.get("x-kubernetes-validations", []):
+            for name in set(re.findall(r"self\.(\w+)", rule["rule"])) - set(node["default"]):
+                assert f"has(self.{name})" in rule["rule"], f"{path}: {rule['rule']!r} reads self.{name} unguarded"
+
+
 @pytest.mark.parametrize("version", KUBE_VERSIONS)
 def test_crd_is_a_valid_custom_resource_definition(version: str) -> None:
     kubernetes_validate.validate(load_crd(), version, strict=True)
