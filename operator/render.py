@@ -97,6 +97,9 @@ def _go_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).translate(_GO_JSON_ESCAPES)
 
 
+ENGINE_PROGRESS_DEADLINE_S = 1200
+
+
 def render(owner: Owner, spec: PrefixCacheSpec) -> list[dict[str, Any]]:
     """All objects of the stack, in apply order (config before the pods that read it)."""
     env_config = _config_map(owner, spec)
@@ -298,6 +301,9 @@ def _engine_deployment(owner: Owner, spec: PrefixCacheSpec, config_hash: str) ->
     # (LeaderWorkerSet and Dynamo's Grove path default to the same).
     strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
     deployment = _deployment(owner, owner.engine_deployment, "engine", spec.replicas, pod, config_hash, strategy)
+    # The worker may take its 600 s startup before the scheduler starts and takes its 300 s: a rollout
+    # must not be reported failed (the default deadline is 600 s) while a healthy pod still starts.
+    deployment["spec"]["progressDeadlineSeconds"] = ENGINE_PROGRESS_DEADLINE_S
     deployment["spec"]["template"]["metadata"]["annotations"] |= {
         "prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT), "prometheus.io/path": "/metrics"}
     return deployment

@@ -140,9 +140,14 @@ def test_every_container_is_probed_over_grpc_health(rendered: list[dict[str, Any
             # The scheduler is ready while its Engine can serve (not while it waits for a worker).
             ready = {"port": port, "service": ENGINE_SERVICE} if container["name"] == "scheduler" else {"port": port}
             assert container["readinessProbe"]["grpc"] == ready, container["name"]
-    worker = containers(by_name(rendered)["Deployment", "chat-engine"])["worker"]
-    startup = worker["startupProbe"]
+    engine = by_name(rendered)["Deployment", "chat-engine"]
+    startup = containers(engine)["worker"]["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # room to load the model
+    # The sidecar starts the scheduler only once the worker is up: a healthy pod may take both
+    # startups in a row, and the rollout must not be declared failed before that.
+    startups = sum(c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"]
+                   for c in containers(engine).values())
+    assert engine["spec"]["progressDeadlineSeconds"] > startups
 
 
 def test_worker_is_a_native_sidecar_so_it_outlives_the_draining_scheduler() -> None:
