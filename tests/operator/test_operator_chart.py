@@ -83,6 +83,19 @@ def test_chart_refuses_what_the_operator_refuses(chart: Any, worker: dict[str, A
     assert message in str(error.value)
 
 
+@pytest.mark.parametrize("release", ["1chat", "chat.v1", "Chat", "x" * 54])
+def test_a_release_name_that_cannot_name_a_service_is_refused(chart: Any, release: str) -> None:
+    with pytest.raises(helm.HelmError, match="release name"):
+        chart.render({}, name=release, namespace="serving")
+
+
+def test_a_release_name_yaml_would_read_as_a_boolean_stays_a_string(chart: Any) -> None:
+    objects = [doc for text in chart.render({}, name="on", namespace="serving").values()
+               for doc in yaml.safe_load_all(text) if doc]
+    service = next(o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "on")
+    assert service["metadata"]["labels"]["app.kubernetes.io/instance"] == "on"
+
+
 @pytest.mark.parametrize("values", [pytest.param({}, id="defaults"),
                                     pytest.param({**values_for(SPEC), "operator": {"enabled": True}}, id="full")])
 @pytest.mark.parametrize("version", ["1.33", "1.37"])

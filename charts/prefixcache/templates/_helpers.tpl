@@ -1,7 +1,7 @@
 {{/* Names and labels match what the operator renders for a PrefixCacheDeployment named like the release. */}}
 {{- define "prefixcache.selectorLabels" -}}
 app.kubernetes.io/name: prefixcache
-app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/instance: {{ .root.Release.Name | quote }}
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
