@@ -67,6 +67,10 @@ def reconcile(body: kopf.Body, spec: kopf.Spec, status: kopf.Status, meta: kopf.
     except kube.NotOwnedError as error:
         report(Condition(RECONCILED, False, "NotOwned", str(error)))
         raise kopf.TemporaryError(str(error), delay=60) from error
+    except kube.RejectedError as error:  # a spec the schema allows but the API server does not
+        report(Condition(RECONCILED, False, "Rejected", str(error)))
+        report(Condition(READY, False, "Rejected", "the API server refused a child object; see the Reconciled condition"))
+        raise kopf.PermanentError(f"rejected by the API server: {error}") from error
 
     report(Condition(RECONCILED, True, "Applied", f"children match generation {generation}"))
     # Ready is also written here, fresh, because this patch replaces the whole condition list.

@@ -23,6 +23,10 @@ class NotOwnedError(RuntimeError):
     """An object with a rendered object's name exists but belongs to someone else."""
 
 
+class RejectedError(RuntimeError):
+    """The API server refused a rendered object as invalid (422): retrying the same spec cannot help."""
+
+
 @dataclass(frozen=True, slots=True)
 class _KindApi:
     api: type
@@ -52,20 +56,35 @@ def _read(api_client: client.ApiClient, kind: str, name: str, namespace: str) ->
 
 
 def apply(api_client: client.ApiClient, objects: Iterable[Mapping[str, Any]], owner_uid: str) -> None:
-    """Create or update every object, in order."""
+    """Create or update every object, in order. Raises NotOwnedError, or RejectedError with the API
+    server's message (the objects before the refused one stay applied)."""
     for obj in objects:
         kind, metadata = obj["kind"], obj["metadata"]
         name, namespace = metadata["name"], metadata["namespace"]
         current = _read(api_client, kind, name, namespace)
-        if current is None:
-            _call(api_client, kind, "create", namespace, dict(obj))
-            continue
-        owners = current.get("metadata", {}).get("ownerReferences") or []
-        if not any(ref.get("uid") == owner_uid for ref in owners):
-            raise NotOwnedError(f"{kind} {namespace}/{name} already exists and is not managed by this "
-                                f"PrefixCacheDeployment; rename one of them")
-        _call(api_client, kind, "patch", name, namespace, _merge_patch(current, obj),
-              _content_type=MERGE_PATCH)
+        if current is not None:
+            owners = current.get("metadata", {}).get("ownerReferences") or []
+            if not any(ref.get("uid") == owner_uid for ref in owners):
+                raise NotOwnedError(f"{kind} {namespace}/{name} already exists and is not managed by this "
+                                    f"PrefixCacheDeployment; rename one of them")
+        try:
+            if current is None:
+                _call(api_client, kind, "create", namespace, dict(obj))
+            else:
+                _call(api_client, kind, "patch", name, namespace, _merge_patch(current, obj),
+                      _content_type=MERGE_PATCH)
+        except ApiException as error:
+            if error.status == 422:
+                raise RejectedError(_status_message(error)) from error
+            raise
+
+
+def _status_message(error: ApiException) -> str:
+    """The message of the Status object an API error carries (its raw body if there is none)."""
+    try:
+        return str(json.loads(error.body)["message"])
+    except (TypeError, ValueError, KeyError):
+        return str(error.body or error.reason)
 
 
 def _merge_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any]:

@@ -184,7 +184,13 @@ def _resource_problems(resources: Mapping[str, Any], prefix: str) -> list[str]:
                     problems.append(f"{prefix}.{kind}.{name}: must not be negative")
             except (ValueError, InvalidOperation):
                 problems.append(f"{prefix}.{kind}.{name}: {quantity!r} is not a quantity")
-    return problems
+    if problems:
+        return problems
+    limits = resources.get("limits", {})
+    # The API server's rule for every container (ValidateResourceRequirements).
+    return [f"{prefix}.requests.{name}: {request} is more than its limit {limits[name]}"
+            for name, request in resources.get("requests", {}).items()
+            if name in limits and parse_quantity(request) > parse_quantity(limits[name])]
 
 
 def _resources(raw: Mapping[str, Any]) -> Resources:

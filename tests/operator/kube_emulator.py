@@ -28,6 +28,7 @@ class EmulatedCluster:
 
         self._stop = asyncio.Event()
         async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator) as server:
+            self.emulator = emulator
             emulator.resources.load_bundled()
             crd = emulator.resources[f"{GROUP}/{VERSION}/{PLURAL}"]
             crd.kind, crd.namespaced, crd.subresources = KIND, True, {"status"}

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import kmock
 import pytest
 from kubernetes import client, config
 
@@ -121,6 +122,24 @@ def test_invalid_spec_is_reported_and_renders_nothing(operator: Any, api: client
     assert "model.claimName is required" in reconciled["message"]
     assert condition(api, "broken", "Ready")["reason"] == "InvalidSpec"
     assert deployment(api, "broken-engine") is None and deployment(api, "broken-tokenizer") is None
+
+
+def test_a_child_the_api_server_refuses_is_reported_not_retried(operator: Any, api: client.ApiClient,
+                                                                 emulated_cluster: EmulatedCluster) -> None:
+    # What the schema cannot see, the API server refuses (here: a request above its limit).
+    message = 'Deployment.apps "epsilon-engine" is invalid: spec.template.spec.containers[0].resources.requests: ' \
+              'Invalid value: "8Gi": must be less than or equal to memory limit of 4Gi'
+    refusal = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Invalid", "code": 422,
+               "message": message}
+    engine_creates = emulated_cluster.emulator["post", kmock.resource("apps", "v1", "deployments"),
+                                                {"metadata": {"name": "epsilon-engine"}}]
+    engine_creates << 422 << refusal
+    create(api, "epsilon", {}, uid="uid-epsilon")
+    reconciled = wait_for(lambda: condition(api, "epsilon", "Reconciled"), "Reconciled")
+    assert (reconciled["status"], reconciled["reason"], reconciled["message"]) == ("False", "Rejected", message)
+    assert condition(api, "epsilon", "Ready")["reason"] == "Rejected"
+    time.sleep(2)  # a retrying handler would try again within a second or two
+    assert len(list(engine_creates)) == 1
 
 
 def test_foreign_object_with_the_same_name_is_left_alone(operator: Any, api: client.ApiClient) -> None:

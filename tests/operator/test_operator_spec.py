@@ -127,6 +127,8 @@ def test_defaults_fill_gaps_but_keep_given_values() -> None:
                  id="gpu-without-gpus"),
     pytest.param({"worker": {"gpus": 0, "attentionBackend": "triton"}},
                  "spec.worker: worker.attentionBackend triton needs GPUs", id="triton-on-cpu"),
+    pytest.param({"scheduler": {"resources": {"requests": {"memory": "8Gi"}, "limits": {"memory": "4Gi"}}}},
+                 "spec.scheduler.resources.requests.memory: 8Gi is more than its limit 4Gi", id="request-over-limit"),
 ])
 def test_invalid_spec_names_the_field(raw: dict[str, Any], field: str) -> None:
     with pytest.raises(SpecError) as error:
