@@ -4,9 +4,11 @@ One task runs the step loop: schedule, execute on the worker, apply the output, 
 outputs to its own unbounded queue (so a slow client never holds up the loop). Clients read their
 queue through the iterator `add_request` returns; leaving that iterator early aborts the request.
 
-If the worker is lost, every in-flight request ends with `EngineUnavailable`, all blocks and every
-cached hash are dropped (the KV memory died with the worker), and the worker is initialized again,
-with backoff, before new requests are admitted.
+If the worker is lost, every in-flight request that has streamed tokens ends with `EngineUnavailable`,
+all blocks and every cached hash are dropped (the KV memory died with the worker), and the worker is
+initialized again, with backoff, before new requests are admitted. Requests that have streamed nothing
+yet wait for that worker and then run from the start: their clients never see the loss (a worker
+restarted while the engine was idle is only noticed by the next request's step).
 
 Pure asyncio: the transport lives in the `StepExecutor` (the gRPC worker client, or the in-process
 adapter in `inprocess_executor`).
@@ -100,6 +102,8 @@ class EngineCore:
         self._scheduler: Scheduler | None = None
         self._worker_info: WorkerInfo | None = None
         self._streams: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
+        # Requests that had streamed nothing when the worker was lost: resubmitted once it is back.
+        self._held: dict[str, EngineRequest] = {}
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()  # set when no request is in flight
         self._idle.set()
@@ -188,6 +192,10 @@ class EngineCore:
         """End a request now and free its blocks; its stream gets a last output with `reason`
         ("abort" unless the caller ended it for another reason, a stop string: "stop").
         Unknown or finished ids are ignored."""
+        held = self._held.pop(request_id, None)
+        if held is not None:  # waiting for a worker: it has no state anywhere else
+            self._deliver(RequestOutput(request_id, [], True, reason, Usage(len(held.prompt_token_ids), 0, 0)))
+            return
         if self._scheduler is None:
             return
         output = self._scheduler.abort(request_id, reason)
@@ -196,10 +204,13 @@ class EngineCore:
             self._wakeup.set()  # tell the worker to drop it
 
     def _validate(self, request: EngineRequest) -> None:
-        assert self._worker_info is not None
-        info = self._worker_info
         if request.request_id in self._streams:
             raise RequestRejected("request_id", f"{request.request_id!r} is already in flight")
+        self._check_fits_worker(request)
+
+    def _check_fits_worker(self, request: EngineRequest) -> None:
+        assert self._worker_info is not None
+        info = self._worker_info
         prompt = request.prompt_token_ids
         if not prompt:
             raise RequestRejected("prompt_token_ids", "the prompt is empty")
@@ -315,15 +326,19 @@ class EngineCore:
             self._idle.set()
 
     async def _recover(self, error: Exception) -> None:
-        """The worker is gone: fail everything in flight, drop the cache, bring a worker back."""
-        log.warning("worker lost (%s); failing %d requests and re-initializing", error, len(self._streams))
+        """The worker is gone: fail the requests that streamed tokens, hold the others, drop the
+        cache, bring a worker back, then resubmit what was held."""
         self._serving = False
-        await self._announce_worker_availability(False)
-        self.metrics.worker_lost(failed_requests=len(self._streams))
         assert self._scheduler is not None
-        self._scheduler.drop_all()
-        for request_id, queue in list(self._streams.items()):
-            queue.put_nowait(EngineUnavailable(f"the worker was lost: {error}"))
+        self._held = {request_id: engine_request for request_id, engine_request in self._scheduler.drop_all()
+                      if request_id in self._streams and engine_request is not None}
+        failed = [request_id for request_id in self._streams if request_id not in self._held]
+        log.warning("worker lost (%s); failing %d requests, holding %d that streamed nothing yet, "
+                    "re-initializing", error, len(failed), len(self._held))
+        await self._announce_worker_availability(False)
+        self.metrics.worker_lost(failed_requests=len(failed))
+        for request_id in failed:
+            self._streams[request_id].put_nowait(EngineUnavailable(f"the worker was lost: {error}"))
             self._end_stream(request_id)
         delay, longest = _RECOVERY_BACKOFF_S
         while True:
@@ -335,10 +350,27 @@ class EngineCore:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, longest)
         self._install_worker(info)
+        self._resubmit_held()
         self._serving = not self._stopping
         log.info("worker re-initialized: %d KV blocks, cache empty", info.num_kv_blocks)
         if self._serving:
             await self._announce_worker_availability(True)
+
+    def _resubmit_held(self) -> None:
+        """Queue the held requests on the new worker's scheduler (failing any the new worker cannot
+        serve, e.g. a smaller vocabulary)."""
+        assert self._scheduler is not None
+        held, self._held = self._held, {}
+        for request_id, request in held.items():
+            try:
+                self._check_fits_worker(request)
+            except RequestRejected as rejection:
+                self.metrics.requests_failed(1)
+                self._streams[request_id].put_nowait(EngineUnavailable(f"the new worker cannot serve it: {rejection}"))
+                self._end_stream(request_id)
+                continue
+            self._scheduler.add_request(request)
+        self._wakeup.set()
 
     async def _announce_worker_availability(self, available: bool) -> None:
         if self.on_worker_availability is not None:

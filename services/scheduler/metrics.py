@@ -45,8 +45,12 @@ class SchedulerMetrics(Collector):
 
     def worker_lost(self, failed_requests: int) -> None:
         self._worker_losses += 1
-        # Their streams end with UNAVAILABLE, not with an output: count them here.
-        self._finished["error"] = self._finished.get("error", 0) + failed_requests
+        self.requests_failed(failed_requests)
+
+    def requests_failed(self, count: int) -> None:
+        """Requests lost with the worker: their streams end with UNAVAILABLE, not with an output."""
+        if count:
+            self._finished["error"] = self._finished.get("error", 0) + count
 
     def exposition(self) -> bytes:
         """The text format, as an HTTP /metrics handler returns it."""

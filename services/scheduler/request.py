@@ -80,10 +80,12 @@ class Request:
     known_to_worker: bool = False  # the worker holds its state (sent as new, not yet dropped)
     sent_first_output: bool = False
     pending_evictions: list[EvictionBatch] = field(default_factory=list)
+    origin: EngineRequest | None = None  # what was submitted, to submit again after a worker loss
 
     @classmethod
     def from_engine_request(cls, request: EngineRequest) -> Request:
         return cls(
+            origin=request,
             request_id=request.request_id,
             prompt_len=len(request.prompt_token_ids),
             sampling=request.sampling,

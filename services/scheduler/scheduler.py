@@ -305,10 +305,12 @@ class Scheduler:
         self._finish(request)
         return output
 
-    def drop_all(self) -> list[str]:
+    def drop_all(self) -> list[tuple[str, EngineRequest | None]]:
         """Forget every request, free every block and every cached hash: the worker is gone, and its
-        KV with it. Returns the ids of the requests that were in flight."""
-        request_ids = list(self.requests)
+        KV with it. Returns each request that was in flight: its id, and what was submitted if it has
+        produced no output yet (so it can be submitted again as it was), else None."""
+        dropped = [(request.request_id, None if request.sent_first_output else request.origin)
+                   for request in self.requests.values()]
         for request in self.running:
             self.kv_cache.free(request.request_id)
             request.status = RequestStatus.FINISHED
@@ -320,7 +322,7 @@ class Scheduler:
         self.waiting.clear()
         self._dropped_ids = []
         self._in_flight = {}
-        return request_ids
+        return dropped
 
 
 def _computes_a_prompt(step: SchedulerStep) -> bool:

@@ -181,6 +181,44 @@ def test_worker_loss_fails_in_flight_requests_and_a_restarted_worker_serves_with
     run(body)
 
 
+def test_a_request_that_streamed_nothing_survives_a_worker_loss():
+    prompt = list(range(100, 140))
+
+    async def body(engine, worker):
+        await collect(engine.add_request(request("warm", prompt)))
+        # The worker restarts while the engine is idle: only the next request's step finds out.
+        worker.fail_next_step(down_for=2)
+        outputs = await collect(engine.add_request(request("next", prompt)))
+        assert worker.initializations == 2  # at start, and again once back (after two failed tries)
+        assert tokens_of(outputs) == reference_generation(prompt, 6, VOCAB)
+        assert outputs[-1].finish_reason == "length"
+        assert outputs[-1].usage.cached_tokens == 0  # computed again, on the new worker's empty cache
+        assert 'finish_reason="error"' not in engine.metrics.exposition().decode()
+
+    run(body)
+
+
+@pytest.mark.parametrize("ended_by", ["client", "shutdown"])
+def test_a_request_held_for_a_lost_worker_can_still_be_ended(ended_by):
+    async def body(engine, worker):
+        worker.fail_next_step(down_for=1000)  # not coming back during the test
+        stream = engine.add_request(request("held", range(20)))
+        while engine.is_serving:
+            await asyncio.sleep(0.01)
+        if ended_by == "client":
+            engine.abort("held")
+            outputs = await collect(stream)
+        else:
+            outputs, _ = await asyncio.gather(collect(stream), engine.shutdown(grace_s=0.1))
+        assert [(o.finished, o.finish_reason, o.new_token_ids) for o in outputs] == [(True, "abort", [])]
+        worker.down_for = 0
+        while not engine.is_serving and ended_by == "client":
+            await asyncio.sleep(0.01)
+        assert engine.num_waiting == engine.num_running == 0  # not submitted again
+
+    run(body)
+
+
 def test_a_worker_answer_that_does_not_fit_the_step_is_handled_as_a_lost_worker():
     async def body(engine, worker):
         stream = engine.add_request(request("confused", range(20), max_tokens=200))
