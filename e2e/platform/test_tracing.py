@@ -6,6 +6,7 @@ import json
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 from platform_harness import run
 from platform_prompts import shared_prefix
@@ -157,3 +158,26 @@ def test_a_cancelled_request_span_reports_what_it_delivered(platform: LocalPlatf
     assert attributes["gen_ai.response.finish_reasons"] == ["abort"]
     # At least what the client read; the server may have sent a few more before it saw the cancel.
     assert delivered <= attributes["gen_ai.usage.output_tokens"] < 200
+
+
+def test_a_refused_request_span_names_the_failure_without_quoting_the_request(platform: LocalPlatform,
+                                                                               target: str) -> None:
+    trace_id = 0x5EED000000000000000000000000BAD1
+    caller = SpanContext(trace_id, CALLER_SPAN_ID, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+
+    async def main() -> None:
+        async with EngineClient(target) as engine:
+            with trace.use_span(NonRecordingSpan(caller)):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await engine.complete(build_request(messages=[("Zanzibar-wizard", SECRET_PROMPT)], max_tokens=2))
+        assert "Zanzibar-wizard" in refused.value.details()  # the client is told what was wrong
+
+    run(main())
+    logs = [service.log_path for service in platform.services]
+    eventually(lambda: any(s["name"] == "generate" for s in spans_of_trace(platform.scheduler.log_path, trace_id)),
+               "the scheduler exported no span for the refused request")
+    spans = [span for log in logs for span in spans_of_trace(log, trace_id)]
+    generate = next(s for s in spans if s["name"] == "generate")
+    assert generate["status"]["status_code"] == "ERROR"
+    assert not any(event["name"] == "exception" for span in spans for event in span["events"])
+    assert "Zanzibar" not in json.dumps(spans)  # neither the role nor the text, in any span

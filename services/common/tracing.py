@@ -14,10 +14,11 @@ received, so a trace is not cut by one unconfigured hop.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
@@ -148,9 +149,22 @@ class ServerTracingInterceptor(aio.ServerInterceptor):
 
 
 def _server_span(method: str) -> Any:
-    return tracer(__name__).start_as_current_span(
-        method, kind=trace.SpanKind.SERVER, attributes={"rpc.system": "grpc", "rpc.method": method}
-    )
+    return quiet_span(tracer(__name__), method, kind=trace.SpanKind.SERVER,
+                      attributes={"rpc.system": "grpc", "rpc.method": method})
+
+
+@contextlib.contextmanager
+def quiet_span(span_tracer: trace.Tracer, name: str, **options: Any) -> Iterator[trace.Span]:
+    """`start_as_current_span`, but a failure marks the span ERROR naming only the exception's type:
+    messages and stack traces can quote what a request contained (a chat template's complaint, a bad
+    value), and spans leave the process."""
+    with span_tracer.start_as_current_span(name, record_exception=False, set_status_on_exception=False,
+                                           **options) as span:
+        try:
+            yield span
+        except Exception as error:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, type(error).__name__))
+            raise
 
 
 def _wrap_unary(behavior: Callable, parent: otel_context.Context, method: str) -> Callable:

@@ -26,7 +26,7 @@ from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
 from prefixcache.services.common.block_identity import BlockExtras
 from prefixcache.services.common.grpc_client import status_of
 from prefixcache.services.common.step_codec import logprobs_to_proto
-from prefixcache.services.common.tracing import SpanRegistry
+from prefixcache.services.common.tracing import SpanRegistry, quiet_span
 from prefixcache.services.common.step import SamplingParams
 from prefixcache.services.scheduler.engine_core import (
     EngineCore,
@@ -124,7 +124,7 @@ class EngineServicer(pb_grpc.EngineServicer):
     async def _generate(
         self, request_id: str, request: pb.GenerateRequest, context: aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        with _tracer.start_as_current_span("generate", attributes=self._request_attributes(request_id, request)) as span:
+        with quiet_span(_tracer, "generate", attributes=self._request_attributes(request_id, request)) as span:
             try:
                 self._check_options(request)
                 prompt_ids = await self._prompt_ids(request)

@@ -14,7 +14,7 @@ from prefixcache.protos.worker.v1 import worker_pb2_grpc as pb_grpc
 from prefixcache.services.common.grpc_client import open_channel, status_of
 from prefixcache.services.common.step import SchedulerStep, StepOutput
 from prefixcache.services.common.step_codec import output_from_proto, step_to_proto
-from prefixcache.services.common.tracing import SpanRegistry, tracing_enabled
+from prefixcache.services.common.tracing import SpanRegistry, quiet_span, tracing_enabled
 from prefixcache.services.scheduler.engine_core import WorkerInfo, WorkerUnavailable
 
 _tracer = trace.get_tracer(__name__)
@@ -78,7 +78,7 @@ class GrpcStepExecutor:
             "prefix_cache.step.num_tokens": step.total_scheduled_tokens,
         }
         links = self._request_spans.links(step.num_scheduled_tokens)
-        with _tracer.start_as_current_span("execute_step", kind=SpanKind.CLIENT, links=links, attributes=attributes):
+        with quiet_span(_tracer, "execute_step", kind=SpanKind.CLIENT, links=links, attributes=attributes):
             return await self._execute(step)
 
     async def _execute(self, step: SchedulerStep) -> StepOutput:
