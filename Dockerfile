@@ -1,7 +1,7 @@
 # One image for the whole platform. Entrypoints (the operator and the Helm chart use these):
-#   prefixcache tokenizer --port 50052 --model-dir DIR
+#   prefixcache tokenizer --port 50053 --model-dir DIR
 #   prefixcache scheduler --port 50051 --tokenizer HOST:PORT --worker HOST:PORT ...
-#   prefixcache worker    --port 50053 --model-dir DIR --kv-cache-memory BYTES ...
+#   prefixcache worker    --port 50052 --model-dir DIR --kv-cache-memory BYTES ...
 #   kopf run --standalone -m prefixcache.operator.handlers --all-namespaces      (the operator)
 # The embedded model is converted at build time into /opt/prefixcache, so nothing downloads at run time.
 #

@@ -2,7 +2,7 @@
 `lastTransitionTime` moves only when the status does.
 
 Types:
-    Reconciled  the children match the current spec (False, reason InvalidSpec/NotOwned, when they can't)
+    Reconciled  the children match the current spec (False, reason InvalidSpec/NotOwned/Rejected, when they can't)
     Ready       the Engine API can serve: every engine replica and a tokenizer are available
 """
 from __future__ import annotations

@@ -28,7 +28,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("tokenizer", "prefixcache.services.tokenizer.server", "run the tokenizer service"),
     Command("scheduler", "prefixcache.services.scheduler.server", "run the scheduler/engine service"),
     Command("worker", "prefixcache.services.worker.server", "run the worker service"),
-    Command("model", "prefixcache.services.cli.model", "manage the local model cache (pull)"),
+    Command("model", "prefixcache.services.cli.model", "manage the local model cache (pull, show)"),
     Command("block-hashes", "prefixcache.services.cli.block_hashes", "print block hashes of token ids read from stdin"),
 )
 
