@@ -3,7 +3,8 @@ children with ownerReferences, garbage collection on delete, and with an image, 
 
 Runs only where KUBECONFIG points at a cluster the test may change (it installs the CRD and uses a fresh
 namespace). Set PREFIXCACHE_E2E_IMAGE to an image the cluster can pull to also wait for Ready pods
-(CPU is enough: the spec asks for no GPU).
+(CPU is enough: the spec asks for no GPU). It must be the full build of the Dockerfile (the default
+EXTRAS: the worker and the embedded model); on kind, `kind load docker-image <tag>` first.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ KUBECONFIG = os.environ.get("KUBECONFIG", "")
 pytestmark = pytest.mark.skipif(not KUBECONFIG or not all(Path(p).is_file() for p in KUBECONFIG.split(os.pathsep)),
                                 reason="needs a Kubernetes cluster: set KUBECONFIG to its kubeconfig file")
 
-from kubernetes import client, config  # noqa: E402  (after the skip: the module is cheap to collect)
+pytest.importorskip("kubernetes", reason="needs the operator extra")
+from kubernetes import client, config  # noqa: E402
 
 from prefixcache.operator.schema import GROUP, KIND, PLURAL, VERSION, load_crd  # noqa: E402
 
@@ -79,28 +81,36 @@ def custom(api: client.ApiClient) -> client.CustomObjectsApi:
     return client.CustomObjectsApi(api)
 
 
-def create(api: client.ApiClient, namespace: str, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+def create(api: client.ApiClient, namespace: str, name: str, spec: dict[str, Any], **options: Any) -> dict[str, Any]:
     body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": {"name": name}, "spec": spec}
-    return custom(api).create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
+    return custom(api).create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body, **options)
 
 
-@pytest.mark.parametrize(("spec", "message"), [
-    ({"blockSize": 24}, "spec.blockSize"),
-    ({"model": {"source": "PersistentVolumeClaim"}}, "model.claimName is required"),
-    ({"model": {"source": "PersistentVolumeClaim", "claimName": "m", "path": "../x"}}, "model.path must be relative"),
-    ({"tenantSalts": {"secretName": "s", "salts": {"acme": "x"}}}, "salts"),
+# Admission only: the server defaults and validates a dry run as it would the real thing, and stores
+# nothing for the operator started later to reconcile.
+DRY_RUN = {"dry_run": "All"}
+
+
+@pytest.mark.parametrize(("spec", "status", "message"), [
+    ({"blockSize": 24}, 422, "spec.blockSize"),
+    ({"model": {"source": "PersistentVolumeClaim"}}, 422, "model.claimName is required"),
+    ({"model": {"source": "PersistentVolumeClaim", "claimName": "m", "path": "../x"}}, 422, "model.path must be relative"),
+    ({"worker": {"gpus": 0, "attentionBackend": "triton"}}, 422, "attentionBackend triton needs GPUs"),
+    # Unknown fields: refused under strict field validation (kubectl's default), a 400.
+    ({"tenantSalts": {"secretName": "s", "salts": {"acme": "x"}}}, 400, "spec.tenantSalts.salts"),
 ])
 def test_api_server_refuses_invalid_specs(api: client.ApiClient, namespace: str, spec: dict[str, Any],
-                                          message: str) -> None:
+                                          status: int, message: str) -> None:
     with pytest.raises(client.ApiException) as error:
-        create(api, namespace, f"bad-{uuid.uuid4().hex[:6]}", spec)
-    assert error.value.status == 422 and message in error.value.body
+        create(api, namespace, f"bad-{uuid.uuid4().hex[:6]}", spec, field_validation="Strict", **DRY_RUN)
+    assert error.value.status == status and message in error.value.body
 
 
-def test_api_server_applies_the_defaults(api: client.ApiClient, namespace: str) -> None:
-    created = create(api, namespace, "defaults", {"replicas": 0})
+def test_api_server_applies_the_defaults_and_prunes_unknown_fields(api: client.ApiClient, namespace: str) -> None:
+    created = create(api, namespace, "defaults", {"replicas": 0, "blocksize": 32}, **DRY_RUN)
     assert created["spec"]["blockSize"] == 16 and created["spec"]["model"]["source"] == "Embedded"
     assert created["spec"]["worker"]["gpus"] == 1
+    assert "blocksize" not in created["spec"]  # pruned (the default field validation only warns)
 
 
 def test_operator_creates_the_stack_and_deletion_collects_it(api: client.ApiClient, namespace: str,
@@ -119,6 +129,7 @@ def test_operator_creates_the_stack_and_deletion_collects_it(api: client.ApiClie
 
 
 @pytest.mark.skipif(not IMAGE, reason="set PREFIXCACHE_E2E_IMAGE to an image the cluster can pull")
+@pytest.mark.timeout(1500)  # an image pull, then the worker's 600 s startup and the scheduler's 300 s
 def test_pods_become_ready_on_grpc_health(api: client.ApiClient, namespace: str, operator: Any) -> None:
     create(api, namespace, "serving", {"image": IMAGE, "worker": {"gpus": 0}, "kvCacheMemory": "256Mi"})
 
@@ -126,4 +137,4 @@ def test_pods_become_ready_on_grpc_health(api: client.ApiClient, namespace: str,
         status = custom(api).get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "serving").get("status")
         return any(c["type"] == "Ready" and c["status"] == "True" for c in (status or {}).get("conditions", []))
 
-    wait_for(ready, "Ready=True (all probes pass over gRPC health)", 900)
+    wait_for(ready, "Ready=True (all probes pass over gRPC health)", 1200)
