@@ -9,7 +9,9 @@ Per step, the batch splits three ways (`TorchAttentionPlan`, built once and shar
   causally over the chunk's own keys and values (no gather). One call over the whole sequence under
   an explicit mask, as before, took 3-5% longer per step (SmolLM2, 50, 180 and 500 new tokens on 992
   cached: 134, 316 and 779 ms against 133, 306 and 750): the masked kernel adds the mask to every
-  score and cannot skip the invisible half of the chunk's own square;
+  score and cannot skip the invisible half of the chunk's own square. (The kernel that returns the
+  log-sum-exp exists on CPU only: elsewhere, as when `--attention-backend torch` runs on CUDA, the
+  one masked call remains);
 - decodes attend in groups, one SDPA call each: sorted by length and cut where padding to the
   group's longest member would waste much (`MAX_DECODE_PADDING`). On one thread a group costs about
   what one call per decode does (both are bound by reading the cache); with more threads one call
@@ -317,17 +319,38 @@ def _attend_context_prefill(
     scale: float,
 ) -> torch.Tensor:  # [query_len, num_q_heads, D]
     """A prefill chunk after `prefill.context_len` cached positions: the cached part, seen whole by
-    every query, and the chunk's own causal square, attended separately and merged (CPU only; the
-    flash kernel takes fewer key/value heads than query heads as it is)."""
-    queries = query.transpose(0, 1)[None]  # [1, num_q_heads, query_len, D]
+    every query, and the chunk's own causal square, attended separately and merged (the flash kernel
+    that returns the log-sum-exp runs on CPU only; elsewhere one masked call does it all)."""
     context_keys = _read_blocks(key_cache, prefill.blocks, prefill.first_block)[: prefill.context_len]
     context_values = _read_blocks(value_cache, prefill.blocks, prefill.first_block)[: prefill.context_len]
+    if query.device.type != "cpu":
+        return _masked_context_prefill(query, key, value, context_keys, context_values, scale)
+    queries = query.transpose(0, 1)[None]  # [1, num_q_heads, query_len, D]
     context, context_lse = _flash_attention_with_lse(
         queries, context_keys.transpose(0, 1)[None], context_values.transpose(0, 1)[None], scale=scale)
     own, own_lse = _flash_attention_with_lse(
         queries, key.transpose(0, 1)[None], value.transpose(0, 1)[None], is_causal=True, scale=scale)
     merged = _merge_by_lse(context[0], context_lse[0], own[0], own_lse[0])  # [num_q_heads, query_len, D]
     return merged.to(query.dtype).transpose(0, 1)
+
+
+def _masked_context_prefill(
+    query: torch.Tensor,  # [query_len, num_q_heads, D]
+    key: torch.Tensor,  # [query_len, num_kv_heads, D]
+    value: torch.Tensor,
+    context_keys: torch.Tensor,  # [context_len, num_kv_heads, D]
+    context_values: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:  # [query_len, num_q_heads, D]
+    """`_attend_context_prefill` as one SDPA call over the context and the chunk under a causal mask."""
+    context_len, query_len = context_keys.shape[0], query.shape[0]
+    keys = torch.cat([context_keys, key]).transpose(0, 1)[None]
+    values = torch.cat([context_values, value]).transpose(0, 1)[None]
+    positions = torch.arange(context_len + query_len, device=query.device)
+    visible = positions[None, :] <= positions[context_len:, None]  # query i sits at context_len + i
+    attended = F.scaled_dot_product_attention(query.transpose(0, 1)[None], keys, values, attn_mask=visible,
+                                              scale=scale, enable_gqa=True)
+    return attended[0].transpose(0, 1)
 
 
 def _merge_by_lse(first: torch.Tensor, first_lse: torch.Tensor, second: torch.Tensor,

@@ -9,7 +9,13 @@ import torch
 
 from prefixcache.kernels import AttentionMetadata, get_attention_backend, paged_attention_reference
 from prefixcache.kernels.reference import reshape_and_cache_reference
-from prefixcache.kernels.torch_attention import TorchAttentionPlan, attend_torch
+from prefixcache.kernels.torch_attention import (
+    TorchAttentionPlan,
+    _attend_context_prefill,
+    _masked_context_prefill,
+    _read_blocks,
+    attend_torch,
+)
 
 # (queries per kv head, head_dim, block_size); two kv heads each. head_dim 24 exercises the kernel's padding.
 SHAPES = [
@@ -82,6 +88,30 @@ def test_torch_path_matches_reference(paged_batch, relative_error, sequences, qu
         batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, plan, batch.scale
     )
     assert relative_error(output.cpu(), reference_output(batch)) < 1e-5
+
+
+@pytest.mark.parametrize("queries_per_kv", [1, 3])
+def test_context_prefills_off_cpu_take_one_masked_call_with_the_same_result(paged_batch, relative_error,
+                                                                           queries_per_kv):
+    # The split path's flash kernel (it returns the log-sum-exp) exists on CPU only; other devices
+    # attend context and chunk in one masked call. Both run here, on CPU, against the reference.
+    batch = paged_batch([(9, 5), (21, 19), (4, 2)], block_size=4, num_kv_heads=2, queries_per_kv=queries_per_kv,
+                        head_dim=16)
+    meta = written(batch, batch.query.device)
+    plan = TorchAttentionPlan.build(meta, 4)
+    expected = reference_output(batch)
+    assert len(plan.context_prefills) == 3
+    for prefill in plan.context_prefills:
+        rows = prefill.tokens
+        context = slice(0, prefill.context_len)
+        masked = _masked_context_prefill(
+            batch.query[rows], batch.key[rows], batch.value[rows],
+            _read_blocks(batch.key_cache, prefill.blocks, None)[context],
+            _read_blocks(batch.value_cache, prefill.blocks, None)[context], batch.scale)
+        split = _attend_context_prefill(batch.query[rows], batch.key[rows], batch.value[rows], batch.key_cache,
+                                        batch.value_cache, prefill, batch.scale)
+        assert relative_error(masked, expected[rows]) < 1e-5
+        assert relative_error(split, expected[rows]) < 1e-5
 
 
 def test_torch_path_matches_reference_in_bfloat16(paged_batch, relative_error):
