@@ -24,6 +24,7 @@ _DNS_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 # alphanumerics with inner "-", "_" or ".".
 _RESOURCE_NAME = re.compile(r"([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
                             r"(?=.{1,63}$)[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+_CONTAINER_RESOURCES = frozenset({"cpu", "memory", "ephemeral-storage"})
 MAX_NAME_LENGTH = 53  # a Service name is at most 63 characters, and "-tokenizer" takes 10
 
 
@@ -107,6 +108,9 @@ def parse_spec(raw_spec: Mapping[str, Any] | None) -> PrefixCacheSpec:
         rules += [f"spec.worker.resources.{kind}.{worker['gpuResource']}: set GPUs with spec.worker.gpus, "
                   "which also tells the worker to use them" for kind in ("requests", "limits")
                   if worker["gpuResource"] in worker["resources"].get(kind, {})]
+        if not is_extended_resource(worker["gpuResource"]):
+            rules.append(f"spec.worker.gpuResource: {worker['gpuResource']!r} is not a device resource name "
+                         "(a domain and a name, e.g. nvidia.com/gpu)")
         if worker["attentionBackend"] == "triton" and worker["gpus"] == 0:
             rules.append("spec.worker: worker.attentionBackend triton needs GPUs (worker.gpus > 0); "
                          "the CPU runs the torch backend")
@@ -171,26 +175,43 @@ def _whole_bytes(quantity: int | str) -> tuple[int, str | None]:
     return int(value), None
 
 
+def is_extended_resource(name: str) -> bool:
+    """A device or other extended resource (`example.com/gpu`): a domain, and not kubernetes.io's."""
+    return "/" in name and "kubernetes.io/" not in name and not name.startswith("requests.")
+
+
 def _resource_problems(resources: Mapping[str, Any], prefix: str) -> list[str]:
+    """The API server's rules for a container's resources (ValidateResourceRequirements), so that a
+    Deployment it would refuse is never rendered."""
     problems = []
     for kind in ("requests", "limits"):
         for name, quantity in resources.get(kind, {}).items():
-            if not _RESOURCE_NAME.fullmatch(name):  # else the API server refuses the Deployment, over and over
-                problems.append(f"{prefix}.{kind}.{name}: not a Kubernetes resource name "
-                                "(e.g. cpu, memory, example.com/device)")
+            if not _RESOURCE_NAME.fullmatch(name) or not (
+                    name in _CONTAINER_RESOURCES or name.startswith("hugepages-") or is_extended_resource(name)):
+                problems.append(f"{prefix}.{kind}.{name}: not a container resource "
+                                "(cpu, memory, ephemeral-storage, hugepages-<size>, or a device such as example.com/device)")
                 continue
             try:
-                if parse_quantity(quantity) < 0:
-                    problems.append(f"{prefix}.{kind}.{name}: must not be negative")
+                value = parse_quantity(quantity)
             except (ValueError, InvalidOperation):
                 problems.append(f"{prefix}.{kind}.{name}: {quantity!r} is not a quantity")
+                continue
+            if value < 0:
+                problems.append(f"{prefix}.{kind}.{name}: must not be negative")
+            elif is_extended_resource(name) and value != int(value):
+                problems.append(f"{prefix}.{kind}.{name}: a device count must be a whole number, got {quantity}")
     if problems:
         return problems
-    limits = resources.get("limits", {})
-    # The API server's rule for every container (ValidateResourceRequirements).
-    return [f"{prefix}.requests.{name}: {request} is more than its limit {limits[name]}"
-            for name, request in resources.get("requests", {}).items()
-            if name in limits and parse_quantity(request) > parse_quantity(limits[name])]
+    requests, limits = resources.get("requests", {}), resources.get("limits", {})
+    for name, request in requests.items():
+        if is_extended_resource(name):  # devices cannot be overcommitted
+            if name not in limits:
+                problems.append(f"{prefix}.requests.{name}: a device request needs a limit, equal to it")
+            elif parse_quantity(request) != parse_quantity(limits[name]):
+                problems.append(f"{prefix}.requests.{name}: {request} must equal its limit {limits[name]}")
+        elif name in limits and parse_quantity(request) > parse_quantity(limits[name]):
+            problems.append(f"{prefix}.requests.{name}: {request} is more than its limit {limits[name]}")
+    return problems
 
 
 def _resources(raw: Mapping[str, Any]) -> Resources:

@@ -119,7 +119,7 @@ def test_defaults_fill_gaps_but_keep_given_values() -> None:
     pytest.param({"kvCacheMemory": 0}, "spec.kvCacheMemory: 0 is less than the minimum of 1", id="kv-zero"),
     pytest.param({"kvCacheMemory": "0Gi"}, "spec.kvCacheMemory: '0Gi' does not match", id="kv-zero-quantity"),
     pytest.param({"scheduler": {"resources": {"limits": {"BAD NAME": "1"}}}},
-                 "spec.scheduler.resources.limits.BAD NAME: not a Kubernetes resource name", id="resource-name"),
+                 "spec.scheduler.resources.limits.BAD NAME: not a container resource", id="resource-name"),
     pytest.param({"worker": {"gpus": 2, "resources": {"limits": {"nvidia.com/gpu": 4}}}},
                  "spec.worker.resources.limits.nvidia.com/gpu: set GPUs with spec.worker.gpus", id="gpus-twice"),
     pytest.param({"worker": {"resources": {"requests": {"nvidia.com/gpu": 1}}}},
@@ -129,6 +129,18 @@ def test_defaults_fill_gaps_but_keep_given_values() -> None:
                  "spec.worker: worker.attentionBackend triton needs GPUs", id="triton-on-cpu"),
     pytest.param({"scheduler": {"resources": {"requests": {"memory": "8Gi"}, "limits": {"memory": "4Gi"}}}},
                  "spec.scheduler.resources.requests.memory: 8Gi is more than its limit 4Gi", id="request-over-limit"),
+    pytest.param({"tokenizer": {"resources": {"requests": {"gpu": "1"}}}},
+                 "spec.tokenizer.resources.requests.gpu: not a container resource", id="resource-without-domain"),
+    pytest.param({"scheduler": {"resources": {"requests": {"example.com/dev": "1"}}}},
+                 "spec.scheduler.resources.requests.example.com/dev: a device request needs a limit",
+                 id="device-request-without-limit"),
+    pytest.param({"scheduler": {"resources": {"requests": {"example.com/dev": "1"}, "limits": {"example.com/dev": "2"}}}},
+                 "spec.scheduler.resources.requests.example.com/dev: 1 must equal its limit 2", id="device-overcommit"),
+    pytest.param({"scheduler": {"resources": {"limits": {"example.com/dev": "500m"}}}},
+                 "spec.scheduler.resources.limits.example.com/dev: a device count must be a whole number",
+                 id="device-fraction"),
+    pytest.param({"worker": {"gpuResource": "gpu"}}, "spec.worker.gpuResource: 'gpu' is not a device resource name",
+                 id="gpu-resource-without-domain"),
 ])
 def test_invalid_spec_names_the_field(raw: dict[str, Any], field: str) -> None:
     with pytest.raises(SpecError) as error:
