@@ -124,6 +124,7 @@ class BlockExtras:
 
 
 NO_EXTRAS = BlockExtras()
+_NO_EXTRA = cbor.encode(None)  # a block's `extra` when it has none
 
 
 def digest_prompt_embeds(embeddings: bytes | memoryview, num_tokens: int, block_size: int) -> tuple[bytes, ...]:
@@ -224,8 +225,9 @@ class BlockHasher:
         end_block = len(token_ids) // block_size
         if end_block <= start_block:
             return []
-        bodies = self._block_bodies(token_ids[start_block * block_size : end_block * block_size], extras,
-                                    start_block)
+        start, end = start_block * block_size, end_block * block_size
+        full = token_ids if start == 0 and end == len(token_ids) else token_ids[start:end]
+        bodies = self._block_bodies(full, extras, start_block)
         block_head = self._block_head
         hashes: list[BlockHash] = []
         append = hashes.append
@@ -255,7 +257,7 @@ class BlockHasher:
             return [array + cbor.encode(extras.items_for_block(index, block_size))
                     for index, array in enumerate(arrays, start_block)]
         # Only block 0 can differ (the salt): encode the common value once.
-        common = cbor.encode(extras.items_for_block(1, block_size))
+        common = _NO_EXTRA if extras is NO_EXTRAS else cbor.encode(extras.items_for_block(1, block_size))
         bodies = cbor.encode_uint_arrays(token_ids, block_size, suffix=common)
         if start_block == 0 and extras.cache_salt is not None:
             first = bodies[0]
