@@ -68,6 +68,7 @@ def running_operator() -> Iterator[object]:
     settings = kopf.OperatorSettings()
     settings.posting.enabled = False  # kmock cannot take kopf's Event objects (generateName twice)
     settings.watching.server_timeout = 5
+    settings.execution.default_backoff = 0.5  # a handler that fails is retried within a test's patience
     with KopfRunner(["run", "--standalone", "--all-namespaces", "-m", "prefixcache.operator.handlers"],
                     settings=settings, timeout=60) as runner:
         yield runner

@@ -125,21 +125,27 @@ def test_invalid_spec_is_reported_and_renders_nothing(operator: Any, api: client
 
 
 def test_a_child_the_api_server_refuses_is_reported_not_retried(operator: Any, api: client.ApiClient,
-                                                                 emulated_cluster: EmulatedCluster) -> None:
+                                                                 emulated_cluster: EmulatedCluster,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
     # What the schema cannot see, the API server refuses (here: a request above its limit).
     message = 'Deployment.apps "epsilon-engine" is invalid: spec.template.spec.containers[0].resources.requests: ' \
               'Invalid value: "8Gi": must be less than or equal to memory limit of 4Gi'
     refusal = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Invalid", "code": 422,
                "message": message}
-    engine_creates = emulated_cluster.emulator["post", kmock.resource("apps", "v1", "deployments"),
-                                                {"metadata": {"name": "epsilon-engine"}}]
-    engine_creates << 422 << refusal
+    emulated_cluster.emulator["post", kmock.resource("apps", "v1", "deployments"),
+                              {"metadata": {"name": "epsilon-engine"}}] << 422 << refusal
     create(api, "epsilon", {}, uid="uid-epsilon")
     reconciled = wait_for(lambda: condition(api, "epsilon", "Reconciled"), "Reconciled")
     assert (reconciled["status"], reconciled["reason"], reconciled["message"]) == ("False", "Rejected", message)
     assert condition(api, "epsilon", "Ready")["reason"] == "Rejected"
-    time.sleep(2)  # a retrying handler would try again within a second or two
-    assert len(list(engine_creates)) == 1
+
+    def verdicts() -> list[str]:  # kopf's log lines about the handler's failure
+        return [r.getMessage() for r in caplog.records if "'reconcile' failed" in r.getMessage()]
+
+    # A permanent failure, not one kopf will try again.
+    assert any("permanently" in v for v in wait_for(verdicts, "kopf's verdict on the handler", 15)), verdicts()
+    assert not any("try again" in v for v in verdicts()), verdicts()
 
 
 def test_foreign_object_with_the_same_name_is_left_alone(operator: Any, api: client.ApiClient) -> None:
