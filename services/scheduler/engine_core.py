@@ -102,8 +102,11 @@ class EngineCore:
         self._scheduler: Scheduler | None = None
         self._worker_info: WorkerInfo | None = None
         self._streams: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
-        # Requests that had streamed nothing when the worker was lost: resubmitted once it is back.
+        # Requests that had streamed nothing when the worker was lost: resubmitted once it is back,
+        # once only (a request that brings the worker down again, e.g. by running it out of memory,
+        # must not do so forever).
         self._held: dict[str, EngineRequest] = {}
+        self._resubmitted: set[str] = set()
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()  # set when no request is in flight
         self._idle.set()
@@ -322,6 +325,7 @@ class EngineCore:
 
     def _end_stream(self, request_id: str) -> None:
         del self._streams[request_id]
+        self._resubmitted.discard(request_id)
         if not self._streams:
             self._idle.set()
 
@@ -331,7 +335,8 @@ class EngineCore:
         self._serving = False
         assert self._scheduler is not None
         self._held = {request_id: engine_request for request_id, engine_request in self._scheduler.drop_all()
-                      if request_id in self._streams and engine_request is not None}
+                      if request_id in self._streams and engine_request is not None
+                      and request_id not in self._resubmitted}
         failed = [request_id for request_id in self._streams if request_id not in self._held]
         log.warning("worker lost (%s); failing %d requests, holding %d that streamed nothing yet, "
                     "re-initializing", error, len(failed), len(self._held))
@@ -370,6 +375,7 @@ class EngineCore:
                 self._end_stream(request_id)
                 continue
             self._scheduler.add_request(request)
+            self._resubmitted.add(request_id)
         self._wakeup.set()
 
     async def _announce_worker_availability(self, available: bool) -> None:

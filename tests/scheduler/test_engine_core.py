@@ -198,6 +198,27 @@ def test_a_request_that_streamed_nothing_survives_a_worker_loss():
     run(body)
 
 
+def test_a_request_that_brings_the_worker_down_again_is_resubmitted_only_once():
+    class PoisonedWorker(SimulatedWorker):
+        """Crashes whenever a step computes the request "poison"."""
+
+        async def execute(self, step):
+            if "poison" in step.num_scheduled_tokens:
+                self.fail_next_step()
+            return await super().execute(step)
+
+    async def body(engine, worker):
+        with pytest.raises(EngineUnavailable, match="worker was lost"):
+            await collect(engine.add_request(request("poison", range(20))))
+        while not engine.is_serving:
+            await asyncio.sleep(0.01)
+        assert worker.initializations == 3  # at start, after the first loss, after the second
+        outputs = await collect(engine.add_request(request("healthy", range(30, 50))))
+        assert tokens_of(outputs) == reference_generation(list(range(30, 50)), 6, VOCAB)
+
+    run(body, PoisonedWorker(num_kv_blocks=64, vocab_size=VOCAB))
+
+
 @pytest.mark.parametrize("ended_by", ["client", "shutdown"])
 def test_a_request_held_for_a_lost_worker_can_still_be_ended(ended_by):
     async def body(engine, worker):
