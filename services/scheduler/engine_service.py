@@ -319,8 +319,7 @@ class _Stream:
                 self.account = output.cache_account
             if self._stops.stopped:
                 if output.finished:
-                    self.finished = True
-                    yield self._response(output, "", "stop", with_tokens=False)
+                    yield self._final(output, "", with_tokens=False)
                     return
                 continue
             new_text = await self._detokenizer.push(output.new_token_ids, last=output.finished)
@@ -330,11 +329,20 @@ class _Stream:
                 # Its final output, with the usage, follows, finished for reason "stop".
                 self._engine.abort(self._request_id, FINISH_STOP)
             if output.finished:
-                self.finished = True
-                yield self._response(output, text, "stop" if self._stops.stopped else output.finish_reason)
+                yield self._final(output, text)
                 return
             if output.new_token_ids or text or output.cache_account is not None:
                 yield self._response(output, text, None)
+
+    def _final(self, output: RequestOutput, text: str, with_tokens: bool = True) -> pb.GenerateResponse:
+        """The last response. A matched stop string makes the reason "stop", also where the engine
+        had finished the request first (it runs ahead of detokenizing): its metrics are told."""
+        self.finished = True
+        if not self._stops.stopped:
+            return self._response(output, text, output.finish_reason, with_tokens)
+        if output.finish_reason != FINISH_STOP:
+            self._engine.metrics.finish_reason_corrected(output.finish_reason, FINISH_STOP)
+        return self._response(output, text, FINISH_STOP, with_tokens)
 
     def _response(self, output: RequestOutput, text: str, reason: str | None,
                   with_tokens: bool = True) -> pb.GenerateResponse:

@@ -43,6 +43,11 @@ class SchedulerMetrics(Collector):
         if output.finish_reason is not None:
             self._finished[output.finish_reason] = self._finished.get(output.finish_reason, 0) + 1
 
+    def finish_reason_corrected(self, counted: str, actual: str) -> None:
+        """A request counted as finished for `counted` ended, as its client was told, for `actual`."""
+        self._finished[counted] -= 1
+        self._finished[actual] = self._finished.get(actual, 0) + 1
+
     def worker_lost(self, failed_requests: int) -> None:
         self._worker_losses += 1
         self.requests_failed(failed_requests)

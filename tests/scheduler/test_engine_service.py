@@ -108,3 +108,20 @@ def test_an_id_stays_taken_until_its_call_ends_so_a_late_stop_cannot_end_its_nam
             assert again.finish_reason == "length" and len(again.token_ids) == 5
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_stop_string_the_engine_finished_before_is_counted_as_stop(tokenizer: TextTokenizer) -> None:
+    # The match comes late (token 150 of 200): the engine has finished the request by then, for
+    # "length"; the client is told "stop", and so are the metrics.
+    generated = reference_generation(PROMPT, 200, tokenizer.vocab_size, frozenset(SPECIAL_IDS))
+    k, stop = stop_string_at(tokenizer, generated, 150)
+
+    async def main() -> tuple[Completion, str]:
+        async with engine_api(tokenizer) as (target, engine), EngineClient(target) as client:
+            completion = await client.complete(build_request(token_ids=PROMPT, max_tokens=200, stop=[stop]))
+            return completion, engine.metrics.exposition().decode()
+
+    completion, metrics = asyncio.run(asyncio.wait_for(main(), 60))
+    assert completion.finish_reason == "stop" and completion.usage.completion_tokens == k + 1
+    assert 'prefixcache_requests_finished_total{finish_reason="stop"} 1.0' in metrics
+    assert 'prefixcache_requests_finished_total{finish_reason="length"} 1.0' not in metrics
