@@ -155,7 +155,8 @@ class EngineCore:
 
     @property
     def num_waiting(self) -> int:
-        return self._scheduler.num_waiting if self._scheduler else 0
+        """Requests waiting for admission, and those held for a new worker."""
+        return (self._scheduler.num_waiting if self._scheduler else 0) + len(self._held)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -289,7 +290,7 @@ class EngineCore:
             counters,
         )
         self._worker_info = info
-        self.metrics.bind(self._scheduler)
+        self.metrics.bind(self._scheduler, held=lambda: len(self._held))
 
     async def _step_loop(self) -> None:
         while True:

@@ -7,7 +7,7 @@ engines (tests) never collide; the services engineer serves `metrics.registry` o
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -31,9 +31,11 @@ class SchedulerMetrics(Collector):
         self._worker_losses = 0
         self.registry.register(self)
 
-    def bind(self, scheduler: Scheduler) -> None:
-        """Read from this scheduler from now on (a new one is bound after a worker loss)."""
+    def bind(self, scheduler: Scheduler, held: Callable[[], int] = lambda: 0) -> None:
+        """Read from this scheduler from now on (a new one is bound after a worker loss); `held`
+        counts the requests waiting for a new worker, outside any scheduler."""
         self._scheduler = scheduler
+        self._held = held
 
     def request_added(self, prompt_tokens: int) -> None:
         self._prompt_tokens += prompt_tokens
@@ -97,4 +99,5 @@ class SchedulerMetrics(Collector):
         yield GaugeMetricFamily(f"{PREFIX}_kv_cached_blocks", "KV blocks holding reusable KV, used or free.",
                                 value=stats.cached_blocks)
         yield GaugeMetricFamily(f"{PREFIX}_requests_running", "Requests holding KV blocks.", value=self._scheduler.num_running)
-        yield GaugeMetricFamily(f"{PREFIX}_requests_waiting", "Requests waiting for admission.", value=self._scheduler.num_waiting)
+        yield GaugeMetricFamily(f"{PREFIX}_requests_waiting", "Requests waiting for admission (or for a worker).",
+                                value=self._scheduler.num_waiting + self._held())

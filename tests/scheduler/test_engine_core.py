@@ -226,6 +226,8 @@ def test_a_request_held_for_a_lost_worker_can_still_be_ended(ended_by):
         stream = engine.add_request(request("held", range(20)))
         while engine.is_serving:
             await asyncio.sleep(0.01)
+        assert engine.num_waiting == 1  # held, and visible as waiting (stats, metrics, idle checks)
+        assert "prefixcache_requests_waiting 1.0" in engine.metrics.exposition().decode()
         if ended_by == "client":
             engine.abort("held")
             outputs = await collect(stream)
