@@ -89,11 +89,12 @@ def test_a_release_name_that_cannot_name_a_service_is_refused(chart: Any, releas
         chart.render({}, name=release, namespace="serving")
 
 
-def test_a_release_name_yaml_would_read_as_a_boolean_stays_a_string(chart: Any) -> None:
-    objects = [doc for text in chart.render({}, name="on", namespace="serving").values()
+def test_names_yaml_would_read_as_booleans_stay_strings(chart: Any) -> None:
+    objects = [doc for text in chart.render({"operator": {"enabled": True}}, name="on", namespace="no").values()
                for doc in yaml.safe_load_all(text) if doc]
     service = next(o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "on")
     assert service["metadata"]["labels"]["app.kubernetes.io/instance"] == "on"
+    assert {o["metadata"]["namespace"] for o in objects if "namespace" in o["metadata"]} == {"no"}
 
 
 @pytest.mark.parametrize("values", [pytest.param({}, id="defaults"),
