@@ -154,17 +154,50 @@ def _server_span(method: str) -> Any:
 
 
 @contextlib.contextmanager
-def quiet_span(span_tracer: trace.Tracer, name: str, **options: Any) -> Iterator[trace.Span]:
-    """`start_as_current_span`, but a failure marks the span ERROR naming only the exception's type:
-    messages and stack traces can quote what a request contained (a chat template's complaint, a bad
-    value), and spans leave the process."""
-    with span_tracer.start_as_current_span(name, record_exception=False, set_status_on_exception=False,
-                                           **options) as span:
+def quiet_span(span_tracer: trace.Tracer, name: str, *, current: bool = True, **options: Any) -> Iterator[trace.Span]:
+    """A span like `start_as_current_span`'s, but a failure marks it ERROR naming only the exception's
+    type: messages and stack traces can quote what a request contained (a chat template's complaint,
+    a bad value), and spans leave the process. With `current=False` the span is not made current
+    (for a body that yields: see `iterate_in_context`)."""
+    options.update(record_exception=False, set_status_on_exception=False)
+    starting = span_tracer.start_as_current_span(name, **options) if current else _ended(span_tracer.start_span(name, **options))
+    with starting as span:
         try:
             yield span
         except Exception as error:
             span.set_status(trace.Status(trace.StatusCode.ERROR, type(error).__name__))
             raise
+
+
+@contextlib.contextmanager
+def _ended(span: trace.Span) -> Iterator[trace.Span]:
+    try:
+        yield span
+    finally:
+        span.end()
+
+
+async def iterate_in_context(items: AsyncIterator[Any], context: otel_context.Context) -> AsyncIterator[Any]:
+    """Yield `items` with `context` current while each one is computed, never across a yield.
+
+    An async generator that holds a context token across `yield` cannot restore it when it is closed
+    from another task (gRPC drops a stream whose client went away; the event loop closes it later),
+    and OpenTelemetry logs that failure with a traceback. Attached per item, nothing is held."""
+    iterator = items.__aiter__()
+    try:
+        while True:
+            token = otel_context.attach(context)
+            try:
+                item = await iterator.__anext__()
+            except StopAsyncIteration:
+                return
+            finally:
+                otel_context.detach(token)
+            yield item
+    finally:
+        close = getattr(iterator, "aclose", None)
+        if close is not None:
+            await close()
 
 
 def _wrap_unary(behavior: Callable, parent: otel_context.Context, method: str) -> Callable:
@@ -186,17 +219,14 @@ def _wrap_streaming(behavior: Callable, parent: otel_context.Context, method: st
         return _wrap_unary(behavior, parent, method)
 
     async def handle(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
-        token = otel_context.attach(parent)
-        try:
-            if not _enabled:
-                async for response in behavior(request, context):
-                    yield response
-                return
-            with _server_span(method):
-                async for response in behavior(request, context):
-                    yield response
-        finally:
-            otel_context.detach(token)
+        if not _enabled:
+            async for response in iterate_in_context(behavior(request, context), parent):
+                yield response
+            return
+        with quiet_span(tracer(__name__), method, current=False, context=parent, kind=trace.SpanKind.SERVER,
+                        attributes={"rpc.system": "grpc", "rpc.method": method}) as span:
+            async for response in iterate_in_context(behavior(request, context), trace.set_span_in_context(span, parent)):
+                yield response
 
     return handle
 

@@ -26,7 +26,7 @@ from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
 from prefixcache.services.common.block_identity import BlockExtras
 from prefixcache.services.common.grpc_client import status_of
 from prefixcache.services.common.step_codec import logprobs_to_proto
-from prefixcache.services.common.tracing import SpanRegistry, quiet_span
+from prefixcache.services.common.tracing import SpanRegistry, iterate_in_context, quiet_span
 from prefixcache.services.common.step import SamplingParams
 from prefixcache.services.scheduler.engine_core import (
     EngineCore,
@@ -124,43 +124,51 @@ class EngineServicer(pb_grpc.EngineServicer):
     async def _generate(
         self, request_id: str, request: pb.GenerateRequest, context: aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        with quiet_span(_tracer, "generate", attributes=self._request_attributes(request_id, request)) as span:
-            try:
-                self._check_options(request)
-                prompt_ids = await self._prompt_ids(request)
-                engine_request = self._engine_request(request_id, request, prompt_ids)
-                outputs = self._engine.add_request(engine_request)
-            except InvalidRequest as error:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-            except RequestRejected as error:
-                field = public_field(error.field, request)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {error.message}")
-            except QueueFull as error:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-            except EngineUnavailable as error:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
-            except grpc.RpcError as error:  # from the tokenizer service
-                code, details = status_of(error)
-                if code == grpc.StatusCode.INVALID_ARGUMENT:  # bad chat messages: the message names the field
-                    await context.abort(code, details)
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"tokenizer: {code.name}: {details}")
-            span.set_attribute("gen_ai.usage.input_tokens", len(prompt_ids))
+        # The span is current only while each response is computed (see `iterate_in_context`).
+        with quiet_span(_tracer, "generate", current=False, attributes=self._request_attributes(request_id, request)) as span:
+            responses = self._responses(request_id, request, context, span)
+            async for response in iterate_in_context(responses, trace.set_span_in_context(span)):
+                yield response
 
-            stream = _Stream(request_id, self._engine, self._tokenizer.detokenizer(prompt_ids), list(request.sampling.stop))
-            self._request_spans.add(request_id, span)
-            try:
-                async for response in stream.responses(outputs):
-                    yield response
-            except EngineUnavailable as error:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
-            except grpc.RpcError as error:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"tokenizer: {status_of(error)[1]}")
-            finally:
-                if not stream.finished:  # cancelled by the client, deadline, or an error above
-                    self._engine.abort(request_id)
-                self._request_spans.remove(request_id)
-                await stream.close()
-                stream.annotate(span)
+    async def _responses(
+        self, request_id: str, request: pb.GenerateRequest, context: aio.ServicerContext, span: trace.Span
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            self._check_options(request)
+            prompt_ids = await self._prompt_ids(request)
+            engine_request = self._engine_request(request_id, request, prompt_ids)
+            outputs = self._engine.add_request(engine_request)
+        except InvalidRequest as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except RequestRejected as error:
+            field = public_field(error.field, request)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {error.message}")
+        except QueueFull as error:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        except EngineUnavailable as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        except grpc.RpcError as error:  # from the tokenizer service
+            code, details = status_of(error)
+            if code == grpc.StatusCode.INVALID_ARGUMENT:  # bad chat messages: the message names the field
+                await context.abort(code, details)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"tokenizer: {code.name}: {details}")
+        span.set_attribute("gen_ai.usage.input_tokens", len(prompt_ids))
+
+        stream = _Stream(request_id, self._engine, self._tokenizer.detokenizer(prompt_ids), list(request.sampling.stop))
+        self._request_spans.add(request_id, span)
+        try:
+            async for response in stream.responses(outputs):
+                yield response
+        except EngineUnavailable as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        except grpc.RpcError as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"tokenizer: {status_of(error)[1]}")
+        finally:
+            if not stream.finished:  # cancelled by the client, deadline, or an error above
+                self._engine.abort(request_id)
+            self._request_spans.remove(request_id)
+            await stream.close()
+            stream.annotate(span)
 
     def _check_options(self, request: pb.GenerateRequest) -> None:
         """What EngineCore cannot check: fields the public API adds."""

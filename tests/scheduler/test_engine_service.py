@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from collections.abc import AsyncIterator
 
 import grpc
@@ -34,14 +35,16 @@ def tokenizer() -> TextTokenizer:
 
 
 @contextlib.asynccontextmanager
-async def engine_api(tokenizer: TextTokenizer) -> AsyncIterator[tuple[str, EngineCore]]:
+async def engine_api(tokenizer: TextTokenizer, num_kv_blocks: int = 256,
+                     max_model_len: int = 4096) -> AsyncIterator[tuple[str, EngineCore]]:
     """(Engine API address, its EngineCore): a tokenizer server and an Engine server on loopback."""
     tokenizer_server, engine_server = aio.server(), aio.server()
     tokenizer_servicer(tokenizer).add_to_server(tokenizer_server)
     tokenizer_port = tokenizer_server.add_insecure_port("127.0.0.1:0")
     await tokenizer_server.start()
-    worker = SimulatedWorker(num_kv_blocks=256, vocab_size=tokenizer.vocab_size, eos_token_ids=SPECIAL_IDS)
-    engine = EngineCore(SchedulerConfig(block_size=4, max_num_batched_tokens=64), worker)
+    worker = SimulatedWorker(num_kv_blocks=num_kv_blocks, vocab_size=tokenizer.vocab_size, eos_token_ids=SPECIAL_IDS,
+                             max_model_len=max_model_len)
+    engine = EngineCore(SchedulerConfig(block_size=4, max_num_batched_tokens=64, max_model_len=max_model_len), worker)
     await engine.start()
     tokenizer_client = TokenizerClient(f"127.0.0.1:{tokenizer_port}")
     pb_grpc.add_EngineServicer_to_server(EngineServicer(engine, tokenizer_client), engine_server)
@@ -125,3 +128,22 @@ def test_a_stop_string_the_engine_finished_before_is_counted_as_stop(tokenizer: 
     assert completion.finish_reason == "stop" and completion.usage.completion_tokens == k + 1
     assert 'prefixcache_requests_finished_total{finish_reason="stop"} 1.0' in metrics
     assert 'prefixcache_requests_finished_total{finish_reason="length"} 1.0' not in metrics
+
+
+def test_a_client_that_stops_reading_and_times_out_leaves_no_traceback(tokenizer: TextTokenizer,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    # gRPC drops the stream at the deadline and the event loop closes its generator later, from
+    # another task: no context token may be held across a yield (OpenTelemetry logs a traceback).
+    async def main() -> None:
+        async with engine_api(tokenizer, num_kv_blocks=4096, max_model_len=20000) as (target, engine), \
+                EngineClient(target) as client:
+            call = client.generate(build_request(token_ids=PROMPT, max_tokens=16000, ignore_eos=True), timeout_s=1.0)
+            await call.read()  # then read no more
+            assert await call.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            while engine.num_running:  # the deadline aborts the request and frees its blocks
+                await asyncio.sleep(0.05)
+            gc.collect()
+            await asyncio.sleep(0.2)
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+    assert not [r for r in caplog.records if "Failed to detach context" in r.getMessage()]
