@@ -148,9 +148,9 @@ class ServerTracingInterceptor(aio.ServerInterceptor):
         )
 
 
-def _server_span(method: str) -> Any:
+def _server_span(method: str, **options: Any) -> Any:
     return quiet_span(tracer(__name__), method, kind=trace.SpanKind.SERVER,
-                      attributes={"rpc.system": "grpc", "rpc.method": method})
+                      attributes={"rpc.system": "grpc", "rpc.method": method}, **options)
 
 
 @contextlib.contextmanager
@@ -223,8 +223,7 @@ def _wrap_streaming(behavior: Callable, parent: otel_context.Context, method: st
             async for response in iterate_in_context(behavior(request, context), parent):
                 yield response
             return
-        with quiet_span(tracer(__name__), method, current=False, context=parent, kind=trace.SpanKind.SERVER,
-                        attributes={"rpc.system": "grpc", "rpc.method": method}) as span:
+        with _server_span(method, current=False, context=parent) as span:
             async for response in iterate_in_context(behavior(request, context), trace.set_span_in_context(span, parent)):
                 yield response
 

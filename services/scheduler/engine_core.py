@@ -342,10 +342,9 @@ class EngineCore:
         log.warning("worker lost (%s); failing %d requests, holding %d that streamed nothing yet, "
                     "re-initializing", error, len(failed), len(self._held))
         await self._announce_worker_availability(False)
-        self.metrics.worker_lost(failed_requests=len(failed))
+        self.metrics.worker_lost()
         for request_id in failed:
-            self._streams[request_id].put_nowait(EngineUnavailable(f"the worker was lost: {error}"))
-            self._end_stream(request_id)
+            self._fail_stream(request_id, f"the worker was lost: {error}")
         delay, longest = _RECOVERY_BACKOFF_S
         while True:
             try:
@@ -371,13 +370,17 @@ class EngineCore:
             try:
                 self._check_fits_worker(request)
             except RequestRejected as rejection:
-                self.metrics.requests_failed(1)
-                self._streams[request_id].put_nowait(EngineUnavailable(f"the new worker cannot serve it: {rejection}"))
-                self._end_stream(request_id)
+                self._fail_stream(request_id, f"the new worker cannot serve it: {rejection}")
                 continue
             self._scheduler.add_request(request)
             self._resubmitted.add(request_id)
         self._wakeup.set()
+
+    def _fail_stream(self, request_id: str, message: str) -> None:
+        """End a request's stream with EngineUnavailable (it has no final output to count it)."""
+        self.metrics.request_failed()
+        self._streams[request_id].put_nowait(EngineUnavailable(message))
+        self._end_stream(request_id)
 
     async def _announce_worker_availability(self, available: bool) -> None:
         if self.on_worker_availability is not None:

@@ -50,14 +50,12 @@ class SchedulerMetrics(Collector):
         self._finished[counted] -= 1
         self._finished[actual] = self._finished.get(actual, 0) + 1
 
-    def worker_lost(self, failed_requests: int) -> None:
+    def worker_lost(self) -> None:
         self._worker_losses += 1
-        self.requests_failed(failed_requests)
 
-    def requests_failed(self, count: int) -> None:
-        """Requests lost with the worker: their streams end with UNAVAILABLE, not with an output."""
-        if count:
-            self._finished["error"] = self._finished.get("error", 0) + count
+    def request_failed(self) -> None:
+        """A request lost with the worker: its stream ends with UNAVAILABLE, not with an output."""
+        self._finished["error"] = self._finished.get("error", 0) + 1
 
     def exposition(self) -> bytes:
         """The text format, as an HTTP /metrics handler returns it."""
