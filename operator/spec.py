@@ -108,7 +108,7 @@ def parse_spec(raw_spec: Mapping[str, Any] | None) -> PrefixCacheSpec:
         rules += [f"spec.worker.resources.{kind}.{worker['gpuResource']}: set GPUs with spec.worker.gpus, "
                   "which also tells the worker to use them" for kind in ("requests", "limits")
                   if worker["gpuResource"] in worker["resources"].get(kind, {})]
-        if not is_extended_resource(worker["gpuResource"]):
+        if not _is_extended_resource(worker["gpuResource"]):
             rules.append(f"spec.worker.gpuResource: {worker['gpuResource']!r} is not a device resource name "
                          "(a domain and a name, e.g. nvidia.com/gpu)")
         if worker["attentionBackend"] == "triton" and worker["gpus"] == 0:
@@ -175,7 +175,7 @@ def _whole_bytes(quantity: int | str) -> tuple[int, str | None]:
     return int(value), None
 
 
-def is_extended_resource(name: str) -> bool:
+def _is_extended_resource(name: str) -> bool:
     """A device or other extended resource (`example.com/gpu`): a domain, and not kubernetes.io's."""
     return "/" in name and "kubernetes.io/" not in name and not name.startswith("requests.")
 
@@ -187,7 +187,7 @@ def _resource_problems(resources: Mapping[str, Any], prefix: str) -> list[str]:
     for kind in ("requests", "limits"):
         for name, quantity in resources.get(kind, {}).items():
             if not _RESOURCE_NAME.fullmatch(name) or not (
-                    name in _CONTAINER_RESOURCES or name.startswith("hugepages-") or is_extended_resource(name)):
+                    name in _CONTAINER_RESOURCES or name.startswith("hugepages-") or _is_extended_resource(name)):
                 problems.append(f"{prefix}.{kind}.{name}: not a container resource "
                                 "(cpu, memory, ephemeral-storage, hugepages-<size>, or a device such as example.com/device)")
                 continue
@@ -198,13 +198,13 @@ def _resource_problems(resources: Mapping[str, Any], prefix: str) -> list[str]:
                 continue
             if value < 0:
                 problems.append(f"{prefix}.{kind}.{name}: must not be negative")
-            elif is_extended_resource(name) and value != int(value):
+            elif _is_extended_resource(name) and value != int(value):
                 problems.append(f"{prefix}.{kind}.{name}: a device count must be a whole number, got {quantity}")
     if problems:
         return problems
     requests, limits = resources.get("requests", {}), resources.get("limits", {})
     for name, request in requests.items():
-        if is_extended_resource(name):  # devices cannot be overcommitted
+        if _is_extended_resource(name):  # devices cannot be overcommitted
             if name not in limits:
                 problems.append(f"{prefix}.requests.{name}: a device request needs a limit, equal to it")
             elif parse_quantity(request) != parse_quantity(limits[name]):
