@@ -49,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", default="1GiB", help="worker KV cache budget, e.g. 512MiB")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--hash-algo", default="sha256")
-    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
+                        help="turn automatic prefix caching off (the second spelling is vLLM's)")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--metrics-port", type=int, help="serve the scheduler's Prometheus metrics on this port")

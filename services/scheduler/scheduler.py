@@ -66,8 +66,11 @@ class SchedulerCounters:
     """Cumulative counts for metrics; they outlive a Scheduler (handed to the next after a worker loss)."""
 
     admissions: int = 0  # admissions from the waiting queue, re-admissions after preemption included
-    queried_tokens: int = 0  # prompt tokens looked up in the prefix cache at those admissions
-    hit_tokens: int = 0  # ... and found there
+    # Prompt tokens looked up in the prefix cache at first admissions (a recompute after preemption
+    # would count a prompt twice, and its generated tokens as prompt), and found there; none with
+    # caching off.
+    queried_tokens: int = 0
+    hit_tokens: int = 0
     evictions: int = 0  # cached blocks whose hash was dropped to make room
     preemptions: int = 0
     steps: int = 0
@@ -174,9 +177,10 @@ class Scheduler:
             if request.cache_account is None:
                 request.cache_account = account
                 request.cached_tokens = num_hit_tokens
+                if account.stop_reason != "disabled":
+                    self.counters.queried_tokens += account.queried_tokens
+                    self.counters.hit_tokens += num_hit_tokens
             self.counters.admissions += 1
-            self.counters.queried_tokens += account.queried_tokens
-            self.counters.hit_tokens += num_hit_tokens
             step.new_requests.append(
                 NewRequestData(
                     request_id=request.request_id,

@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker", required=True, metavar="HOST:PORT", help="worker service")
     parser.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV block")
     parser.add_argument("--hash-algo", default=defaults.hash_algo, help="block hash algorithm (sha256, xxhash, ...)")
-    parser.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    parser.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
+                        help="turn automatic prefix caching off (the second spelling is vLLM's)")
     parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="requests per step at most")
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens, help="token budget per step"

@@ -241,7 +241,7 @@ def test_disabled_caching_hashes_nothing_and_reuses_freed_blocks_first():
     assert m.free_block_ids() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
     hits, new, account = admit(m, KVRequest("b", list(range(9))))
     assert (hits, new, account.hit_tokens) == ([], [0, 1, 2], 0)
-    assert m.stats().cached_blocks == 0 and m.stats().queries == 18
+    assert m.stats().cached_blocks == 0 and m.stats().queries == 0  # nothing was looked up
 
 
 def test_salts_isolate_tenants():
@@ -325,3 +325,5 @@ def test_preempted_request_resumes_from_its_cached_blocks():
     a.num_computed_tokens = 0
     hits, new, account = admit(m, a)
     assert (hits, new, account.hit_tokens) == ([0, 1], [2], 8)
+    # The recompute is not a new query: the counters keep the first allocation's prompt and hit.
+    assert (m.stats().queries, m.stats().hits) == (10, 0)

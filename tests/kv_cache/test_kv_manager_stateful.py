@@ -29,6 +29,7 @@ class ReferenceCache:
         self.blocks: dict[str, list[int]] = {}
         self.num_cached: dict[str, int] = {}
         self.queries = self.hits = self.evictions = 0
+        self.counted: set[str] = set()
 
     def identity_of(self, request: KVRequest, index: int) -> tuple:
         return request.extras, tuple(request.token_ids[: (index + 1) * self.block_size])
@@ -73,8 +74,10 @@ class ReferenceCache:
         if request_id not in self.blocks:
             self.blocks[request_id] = list(hits)
             self.num_cached[request_id] = len(hits)
-            self.queries += len(request.token_ids)
-            self.hits += len(hits) * size
+            if self.caching and request.request_id not in self.counted:  # a preempted one is not counted again
+                self.counted.add(request.request_id)
+                self.queries += len(request.token_ids)
+                self.hits += len(hits) * size
         self.blocks[request_id].extend(new)
         if self.caching:
             full = min(total, len(request.token_ids)) // size

@@ -148,6 +148,7 @@ def test_caching_off_never_hits():
     scheduler.add_request(request("b", range(12), max_tokens=1))
     step = scheduler.schedule()
     assert step.new_requests[0].num_computed_tokens == 0 and step.num_scheduled_tokens == {"b": 12}
+    assert scheduler.counters.queried_tokens == 0  # nothing is looked up with caching off
 
 
 def test_preemption_frees_the_newest_request_which_then_hits_the_cache_again():
@@ -189,6 +190,10 @@ def test_preemption_frees_the_newest_request_which_then_hits_the_cache_again():
     assert outputs[-1].num_preemptions == 1
     assert outputs[-1].usage.completion_tokens == 3
     assert scheduler.kv_cache.num_free_blocks == 4
+    # The prefix-cache counters hold the two prompts as first looked up, not b's recompute.
+    counters = scheduler.counters
+    assert (counters.queried_tokens, counters.hit_tokens, counters.admissions) == (16, 0, 3)
+    assert (scheduler.kv_cache.stats().queries, scheduler.kv_cache.stats().hits) == (16, 0)
 
 
 def test_the_newest_request_preempts_itself_when_it_is_the_one_that_does_not_fit():

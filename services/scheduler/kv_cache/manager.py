@@ -38,6 +38,9 @@ class KVRequest:
     extras: BlockExtras = NO_EXTRAS
     num_computed_tokens: int = 0
     block_hashes: list[BlockHash] = field(default_factory=list)
+    # Set by the manager once its first allocation is in the query and hit counters, so the
+    # recompute after a preemption (free, then allocate again) is not counted twice.
+    counted: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -64,7 +67,8 @@ class CacheAccount:
 
 @dataclass(frozen=True)
 class CacheStats:
-    """Aggregate counters. Queries and hits are in tokens, counted once per first allocation."""
+    """Aggregate counters. Queries and hits are in tokens, counted at a request's first allocation
+    only (not again when it is recomputed after a preemption) and not at all with caching off."""
 
     num_blocks: int
     free_blocks: int  # includes cached blocks that no request uses (eviction candidates)
@@ -199,8 +203,10 @@ class KVCacheManager:
         if held is None:
             held = self._blocks[request_id] = hits
             self._num_cached[request_id] = len(hits)
-            self._queries += len(request.token_ids)
-            self._hits += len(hits) * block_size
+            if self.enable_caching and not request.counted:
+                request.counted = True
+                self._queries += len(request.token_ids)
+                self._hits += len(hits) * block_size
         held.extend(new_blocks)
         if self.enable_caching:
             self._cache_full_blocks(request, held, num_full_after)
