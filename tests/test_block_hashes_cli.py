@@ -73,6 +73,13 @@ def test_bad_input_exits_2_with_a_message_naming_the_problem():
         (("--model-id", "m", "--lora", "adapter:"), "[1]", "NAME or NAME:DIGEST"),
         (("--model-id", "m", "--lora", "adapter:xyz"), "[1]", "hex"),
         (("--model-id", "m", "--mm", "img:x:3"), "[1]", "--mm"),
+        (("--model-id", "m", "--mm", "img:1"), "[1]", "expected ID:OFFSET:LENGTH"),
+        (("--model-id", "m", "--lora", "a", "--lora", "b"), "[1]", "--lora given more than once"),
+        # An id of a partial last block is checked too, though no hash covers it.
+        (("--block-size", "2", "--model-id", "m"), "[1, 2, 18446744073709551616]", "token_ids[2]"),
+        # Raw bytes from the shell that are not UTF-8 (Python hands them over as surrogates).
+        (("--model-id", "m\udcff"), "[1]", "--model-id is not valid UTF-8"),
+        (("--model-id", "m", "--cache-salt", "\udcff"), "[1]", "--cache-salt is not valid UTF-8"),
     ]
     for args, stdin, message in cases:
         result = block_hashes(*args, stdin=stdin)

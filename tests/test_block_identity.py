@@ -88,6 +88,19 @@ def test_vectors_cover_every_extra_item_and_negative_mm_offsets():
     assert extras.items_for_block(0, 4) == [["mm", "img:5f3c", 2]]
     assert extras.items_for_block(1, 4) == [["mm", "img:5f3c", -2]]
     assert extras.items_for_block(2, 4) is None
+    # An item ending on a block boundary is not in the next block; a long one reaches offsets that
+    # need CBOR's two-byte negative form (-24 is the last one-byte value).
+    boundaries = extras_from_json(next(v for v in VECTORS if v["name"] == "mm-boundaries")["extras"])
+    assert boundaries.items_for_block(0, 8) == [["mm", "img:edge", 1]]
+    assert boundaries.items_for_block(1, 8) == [["mm", "img:long", 0]]
+    assert [boundaries.items_for_block(b, 8) for b in (4, 5, 6)] == [
+        [["mm", "img:long", -24]], [["mm", "img:long", -32]], None]
+    assert cbor2.dumps(-24) == b"\x37" and cbor2.dumps(-32) == b"\x38\x1f"
+    # Text is hashed as its UTF-8 bytes, unnormalized: the decomposed spelling is another model.
+    unicode = next(v for v in VECTORS if v["name"] == "unicode-text")
+    decomposed = unicode["model_id"].replace("\u00e9", "e\u0301")
+    assert decomposed != unicode["model_id"]
+    assert BlockHasher(4, "sha256", decomposed).root.hex() != unicode["root"]
     everything = extras_from_json(next(v for v in VECTORS if v["name"] == "everything")["extras"])
     assert [item[0] for item in everything.items_for_block(0, 4)] == ["lora", "mm", "embeds", "salt"]
     assert [item[0] for item in everything.items_for_block(1, 4)] == ["lora", "mm"]

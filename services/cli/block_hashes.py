@@ -24,14 +24,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hash-algo", choices=HASH_ALGOS, default="sha256")
     parser.add_argument("--model-id", required=True, help="the model id the engine was started with")
     parser.add_argument("--cache-salt", help="the request's cache salt (a secret: prefer a private shell)")
-    parser.add_argument("--lora", metavar="NAME[:DIGEST]",
-                        help="LoRA adapter name and, if the deployment has one, its weights digest in hex")
+    parser.add_argument("--lora", metavar="NAME[:DIGEST]", action="append", default=[],
+                        help="LoRA adapter name and, if the deployment has one, its weights digest in hex "
+                             "(after the last colon)")
     parser.add_argument("--mm", metavar="ID:OFFSET:LENGTH", action="append", default=[],
                         help="a multimodal item (repeatable, in prompt order)")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
+        for option in ("model_id", "cache_salt", "lora", "mm"):
+            _check_utf8(option, getattr(args, option))
         token_ids = _read_token_ids(sys.stdin.read())
         hasher = BlockHasher(args.block_size, args.hash_algo, args.model_id)
         extras = BlockExtras(*_parse_lora(args.lora), mm_items=tuple(map(_parse_mm, args.mm)),
@@ -54,15 +57,28 @@ def _read_token_ids(text: str) -> list[int]:
         raise ValueError(f"stdin is not JSON: {error}") from None
     if not isinstance(value, list):
         raise ValueError("stdin must be a JSON array of token ids")
+    # Every id, those of a partial last block too: the spec has no hash for a sequence holding one.
     for index, token in enumerate(value):
-        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-            raise ValueError(f"token_ids[{index}] = {token!r} is not a non-negative integer")
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < 1 << 64:
+            raise ValueError(f"token_ids[{index}] = {token!r} is not an integer in [0, 2**64)")
     return value
 
 
-def _parse_lora(spec: str | None) -> tuple[str | None, bytes | None]:
-    if spec is None:
+def _check_utf8(option: str, value: str | list[str] | None) -> None:
+    """Refuse an argument that is not valid UTF-8 (the shell passed raw bytes), naming the option."""
+    for text in [value] if isinstance(value, str) else value or []:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"--{option.replace('_', '-')} is not valid UTF-8 text") from None
+
+
+def _parse_lora(specs: list[str]) -> tuple[str | None, bytes | None]:
+    if not specs:
         return None, None
+    if len(specs) > 1:
+        raise ValueError("--lora given more than once: a request uses one adapter")
+    [spec] = specs
     name, separator, digest = spec.rpartition(":")
     if not separator:  # a name alone: an adapter without a digest, as the engine hashes it today
         return spec, None
@@ -75,8 +91,10 @@ def _parse_lora(spec: str | None) -> tuple[str | None, bytes | None]:
 
 
 def _parse_mm(spec: str) -> MultiModalItem:
-    identifier, offset, length = (spec.rsplit(":", 2) + ["", ""])[:3]
+    parts = spec.rsplit(":", 2)  # the identifier may hold colons itself ("img:5f3c")
+    if len(parts) != 3 or not all(part.isascii() and part.isdigit() for part in parts[1:]):
+        raise ValueError(f"--mm {spec!r}: expected ID:OFFSET:LENGTH, OFFSET and LENGTH decimal integers")
     try:
-        return MultiModalItem(identifier, int(offset), int(length))
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"--mm {spec!r}: expected ID:OFFSET:LENGTH ({error})") from None
+        return MultiModalItem(parts[0], int(parts[1]), int(parts[2]))
+    except ValueError as error:
+        raise ValueError(f"--mm {spec!r}: {error}") from None

@@ -209,7 +209,8 @@ class BlockHasher:
         """Hashes of full blocks start_block, start_block+1, … of `token_ids` (the whole sequence).
 
         To extend a request's hashes as it grows, pass `start_block=len(hashes)` and
-        `parent=hashes[-1]`; block 0's parent is always the root.
+        `parent=hashes[-1]`; block 0's parent is always the root. Tokens after the last full block
+        are not read (nor validated): they are hashed, and checked, once their block fills.
         """
         if not isinstance(extras, BlockExtras):
             raise ValueError(f"extras must be a BlockExtras, got {type(extras).__name__}")
