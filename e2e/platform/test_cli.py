@@ -47,15 +47,29 @@ def test_generate_json_with_logprobs(target: str) -> None:
         assert len(entry["top"]) == 2 and entry["top"][0][0] == token_id and entry["logprob"] <= 0
 
 
+def test_a_reader_that_goes_away_ends_generate_quietly(target: str) -> None:
+    """`prefixcache generate … | head -c 5`: the streamed text meets a closed pipe."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "prefixcache.services.cli.main", "generate", "Tell me a long story", "--target", target,
+         "--max-tokens", "64", "--ignore-eos", "--temperature", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert process.stdout.read(1)
+    process.stdout.close()
+    stderr = process.stderr.read()
+    assert process.wait(timeout=120) == 1
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+
+
 def test_logprobs_without_json_is_refused_before_any_call() -> None:
     result = prefixcache("generate", "Hello", "--target", "127.0.0.1:1", "--logprobs", "2")
     assert result.returncode == 2 and "--logprobs needs --json" in result.stderr
 
 
 def test_a_failed_call_exits_non_zero_with_the_status(target: str) -> None:
-    result = prefixcache("generate", "hi", "--target", target, "--top-p", "2")
+    result = prefixcache("generate", "hi", "--target", target, "--lora-adapter", "sql")
     assert result.returncode == 1
-    assert result.stderr.strip() == "error: INVALID_ARGUMENT: sampling.top_p: must be in (0, 1], got 2.0"
+    assert result.stderr.strip() == "error: INVALID_ARGUMENT: lora_adapter: unknown adapter 'sql' (available: none)"
 
 
 @pytest.mark.parametrize(
@@ -65,10 +79,17 @@ def test_a_failed_call_exits_non_zero_with_the_status(target: str) -> None:
         ("--stop-token-id", "-1", "--stop-token-id: must be in [0, 4294967295], got -1"),
         ("--max-tokens", "99999999999", "--max-tokens: must be in [1, 2147483647], got 99999999999"),
         ("--system", "/nonexistent/system.txt", "--system: cannot read /nonexistent/system.txt"),
+        ("--system", "/dev/null", "--system: /dev/null is empty"),
+        ("--temperature", "-0.5", "--temperature: must be >= 0, got -0.5"),
+        ("--temperature", "nan", "--temperature: must be >= 0, got nan"),
+        ("--top-p", "0", "--top-p: must be in (0, 1], got 0"),
+        ("--top-p", "1.5", "--top-p: must be in (0, 1], got 1.5"),
+        ("--logprobs", "21", "--logprobs: must be in [1, 20], got 21"),
+        ("--logprobs", "0", "--logprobs: must be in [1, 20], got 0"),
     ],
 )
 def test_out_of_range_options_are_usage_errors_not_tracebacks(option: str, value: str, message: str) -> None:
-    result = prefixcache("generate", "Hello", "--target", "127.0.0.1:1", option, value)
+    result = prefixcache("generate", "Hello", "--target", "127.0.0.1:1", "--json", option, value)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 

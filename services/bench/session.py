@@ -41,10 +41,10 @@ class BenchConfig:
         if "few-shot" in self.workloads:
             check_few_shot(self.options)  # before a platform starts, not after
         if self.no_cache_target and not self.compare_no_cache:
-            raise ValueError("no_cache_target is only used with compare_no_cache")
+            raise ValueError("--no-cache-target is only used with --compare-no-cache")
         if self.compare_no_cache and self.target and not self.no_cache_target:
             raise ValueError(
-                "compare_no_cache with a target needs no_cache_target (an endpoint with prefix caching off): "
+                "--compare-no-cache with --target needs --no-cache-target (an endpoint with prefix caching off): "
                 "a remote deployment cannot be restarted without its cache"
             )
 
@@ -93,6 +93,17 @@ def check_fits(requests: dict[str, list[BenchRequest]], facts: EngineFacts) -> N
             )
 
 
+def check_comparable(first: EngineFacts, other: EngineFacts, target: str) -> None:
+    """Refuse to compare runs on engines that differ in more than prefix caching: the ratios would
+    measure the model or the settings, not the cache."""
+    differences = [f"{name} {getattr(first, name)!r} against {getattr(other, name)!r}"
+                   for name in ("model_id", "dtype", "block_size", "max_model_len")
+                   if getattr(first, name) != getattr(other, name)]
+    if differences:
+        raise ValueError(f"the engine at {target} is not the first run's engine with caching off: "
+                         f"{'; '.join(differences)}")
+
+
 @contextlib.asynccontextmanager
 async def _engine_target(config: BenchConfig, mode: str) -> AsyncIterator[tuple[str, bool]]:
     """(target, whether the benchmark owns it) for `mode`."""
@@ -120,6 +131,7 @@ def _to_stderr(note: str) -> None:
 async def run_session(config: BenchConfig, note: Callable[[str], None] = _to_stderr) -> BenchOutcome:
     """Run every workload in every mode; `note` hears about settings that defeat a workload's point."""
     outcome = BenchOutcome({name: WorkloadResult() for name in config.workloads})
+    first: EngineFacts | None = None
     for mode in config.modes:
         async with _engine_target(config, mode) as (target, owned):
             async with EngineEndpoint(target, config.request_timeout_s) as endpoint:
@@ -129,8 +141,11 @@ async def run_session(config: BenchConfig, note: Callable[[str], None] = _to_std
                         f"the {mode} run needs an engine with prefix caching {'on' if mode == CACHE else 'off'}, "
                         f"but {target} has it {'on' if facts.prefix_caching_enabled else 'off'}"
                     )
-                if outcome.options is None:  # the first mode plans; every mode sends the very same requests
+                if first is None:  # the first mode plans; every mode sends the very same requests
+                    first = facts
                     plan_workloads(config, facts, outcome, note)
+                else:
+                    check_comparable(first, facts, target)
                 await _run_mode(config, endpoint, mode, owned, outcome, note)
     return outcome
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Awaitable, Callable
 
@@ -29,13 +30,32 @@ def bounded_int(low: int, high: int) -> Callable[[str], int]:
     return parse
 
 
+def bounded_float(low: float, high: float = math.inf, *, low_open: bool = False) -> Callable[[str], float]:
+    """An argparse type: a number in [low, high], or (low, high] with `low_open`; never NaN."""
+    shown = f"{'(' if low_open else '['}{low:g}, {high:g}]" if high != math.inf else f"{'>' if low_open else '>='} {low:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if math.isnan(value) or not (low < value if low_open else low <= value) or not value <= high:
+            raise argparse.ArgumentTypeError(f"must be {'in ' if high != math.inf else ''}{shown}, got {text}")
+        return value
+
+    return parse
+
+
 def text_file(path: str) -> str:
-    """An argparse type: the contents of a UTF-8 text file."""
+    """An argparse type: the contents of a UTF-8 text file, which must not be empty."""
     try:
         with open(path, encoding="utf-8") as file:
-            return file.read()
+            text = file.read()
     except (OSError, UnicodeDecodeError) as error:
         raise argparse.ArgumentTypeError(f"cannot read {path}: {error}") from None
+    if not text:
+        raise argparse.ArgumentTypeError(f"{path} is empty")
+    return text
 
 
 def add_target(parser: argparse.ArgumentParser) -> None:
@@ -46,8 +66,9 @@ def add_sampling(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--max-tokens", type=bounded_int(1, INT32_MAX),
                        help="most tokens to generate (default: up to the model's length)")
-    group.add_argument("--temperature", type=float, help="0 is greedy (default 1.0)")
-    group.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1] (default 1.0)")
+    group.add_argument("--temperature", type=bounded_float(0), help="0 is greedy (default 1.0)")
+    group.add_argument("--top-p", type=bounded_float(0, 1, low_open=True),
+                       help="nucleus sampling mass in (0, 1] (default 1.0)")
     group.add_argument("--top-k", type=bounded_int(0, INT32_MAX), default=0, help="keep the k most likely tokens (0: off)")
     group.add_argument("--seed", type=bounded_int(0, UINT64_MAX), help="per-request seed for reproducible sampling")
     group.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")

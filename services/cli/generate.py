@@ -12,7 +12,6 @@ import json
 import sys
 
 from prefixcache.services.cli.client_args import (
-    UINT32_MAX,
     add_sampling,
     add_target,
     bounded_int,
@@ -21,6 +20,7 @@ from prefixcache.services.cli.client_args import (
     text_file,
 )
 from prefixcache.services.common.engine_client import Completion, EngineClient, build_request
+from prefixcache.services.common.step import MAX_LOGPROBS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,8 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     parser.add_argument("--request-id", default="", help="client request id (default: server-assigned)")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
-    parser.add_argument("--logprobs", type=bounded_int(0, UINT32_MAX), default=0, metavar="N",
-                        help="with --json: each token's log-probability and the N most likely tokens (1-20)")
+    parser.add_argument("--logprobs", type=bounded_int(1, MAX_LOGPROBS), default=0, metavar="N",
+                        help=f"with --json: each token's log-probability and the N most likely tokens (1-{MAX_LOGPROBS})")
     add_sampling(parser)
 
 

@@ -47,6 +47,10 @@ class ServiceProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, **self.env},
+                # Ctrl-C reaches the terminal's whole process group at once; the services ignore it
+                # and are stopped in order by `LocalPlatform.stop` (the scheduler drains first,
+                # while the worker still runs). They stay in the group, so a group kill reaches them.
+                preexec_fn=_ignore_sigint,
             )
 
     @property
@@ -180,6 +184,10 @@ class LocalPlatform:
         """Start the worker again on the same port (after it died or was killed)."""
         self.worker.kill()
         self.worker.start()
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _client_host(bind_host: str) -> str:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -15,7 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pull.add_argument("--model-dir", type=Path, default=None,
                       help=f"where to put the converted model (default: models/ under ${model_store.HOME_ENV}, "
                            "itself ~/.cache/prefixcache by default)")
-    show = actions.add_parser("show", help="print a model directory's architecture and size")
+    show = actions.add_parser("show", help="check a model directory as the worker would; print its architecture, "
+                                           "size and model id")
     show.add_argument("--model-dir", type=Path, default=None,
                       help="a Hugging Face model directory (default: the converted default model)")
 
@@ -24,25 +24,32 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "pull":
         print(model_store.ensure_default_model(args.model_dir))
         return 0
-    return _show(args.model_dir or model_store.default_model_dir())
+    return _show(args.model_dir or model_store.default_model_dir(), is_default=args.model_dir is None)
 
 
-def _show(model_dir: Path) -> int:
-    config_path = model_dir / "config.json"
-    if not config_path.is_file():
-        print(f"no model at {model_dir} (config.json missing); run `prefixcache model pull`", file=sys.stderr)
+def _show(model_dir: Path, is_default: bool) -> int:
+    from prefixcache.services.worker.loader import inspect_checkpoint
+
+    try:
+        checkpoint = inspect_checkpoint(model_dir)
+    except (OSError, ValueError) as error:
+        hint = "; run `prefixcache model pull`" if is_default and not model_dir.exists() else ""
+        print(f"error: {error}{hint}", file=sys.stderr)
         return 1
-    config = json.loads(config_path.read_text())
-    weights = sorted(model_dir.glob("*.safetensors"))
+    if not (model_dir / "tokenizer.json").is_file():
+        print(f"error: {model_dir}: no tokenizer.json (the tokenizer service needs it)", file=sys.stderr)
+        return 1
+    config, files = checkpoint.config, checkpoint.files
     rows = {
         "directory": str(model_dir),
-        "architecture": ", ".join(config.get("architectures", [])) or "?",
-        "layers": config.get("num_hidden_layers"),
-        "hidden size": config.get("hidden_size"),
-        "heads (query/kv)": f"{config.get('num_attention_heads')}/{config.get('num_key_value_heads')}",
-        "vocab size": config.get("vocab_size"),
-        "max positions": config.get("max_position_embeddings"),
-        "weights": f"{len(weights)} safetensors file(s), {sum(p.stat().st_size for p in weights) / 2**20:.1f} MiB",
+        "model id": checkpoint.model_id(),  # what block-hashes --model-id takes
+        "architecture": config.architecture,
+        "layers": config.num_layers,
+        "hidden size": config.hidden_size,
+        "heads (query/kv)": f"{config.num_heads}/{config.num_kv_heads}",
+        "vocab size": config.vocab_size,
+        "max model length": config.max_model_len,
+        "weights": f"{len(files)} safetensors file(s), {sum(p.stat().st_size for p in files) / 2**20:.1f} MiB",
     }
     width = max(map(len, rows))
     for name, value in rows.items():

@@ -90,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
         code = asyncio.run(_serve(platform, args))
     finally:
         statuses = platform.stop(args.grace)
-    failed = {name: status for name, status in statuses.items() if status not in (0, None)}
+    # -SIGTERM: stopped by our own SIGTERM before it could set up its handler (still starting).
+    failed = {name: status for name, status in statuses.items() if status not in (0, None, -signal.SIGTERM)}
     if failed:
         print(f"services exited with errors: {failed} (logs in {platform.config.log_dir})", file=sys.stderr)
         return code or 1

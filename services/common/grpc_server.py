@@ -85,7 +85,8 @@ async def run_server(
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    stop_signals = _stop_signals()
+    for signum in stop_signals:
         loop.add_signal_handler(signum, stop.set)
 
     starting = asyncio.ensure_future(startup()) if startup is not None else None
@@ -105,12 +106,25 @@ async def run_server(
         await stop.wait()
 
     log.info("%s shutting down (grace %.1f s)", service_name, grace_s)
+    # The shutdown is bounded by the grace; a second signal (a supervisor's SIGTERM on top of the
+    # terminal's Ctrl-C) must not kill it halfway, nor the exit after the loop has closed.
+    for signum in stop_signals:
+        loop.remove_signal_handler(signum)
+        signal.signal(signum, signal.SIG_IGN)
     await health.enter_graceful_shutdown()
     if shutdown is not None:
         await shutdown(grace_s)
     await server.stop(grace_s)
     shutdown_tracing()
     return 0
+
+
+def _stop_signals() -> tuple[signal.Signals, ...]:
+    """SIGTERM, and SIGINT unless this process was started with it ignored: a supervisor (such as
+    `prefixcache serve`) that orders its services' shutdown keeps the terminal's Ctrl-C from them."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        return (signal.SIGTERM,)
+    return (signal.SIGTERM, signal.SIGINT)
 
 
 async def _set_health(health: health_aio.HealthServicer, names: list[str], status: int) -> None:

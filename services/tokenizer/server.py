@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from prefixcache.services.common.grpc_server import Servicer, configure_logging,
 from prefixcache.services.tokenizer.text import ChatTemplateError, ChatTurn, IncrementalDetokenizer, TextTokenizer
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tokenizer"].full_name
+
+log = logging.getLogger(__name__)
 
 
 class TokenizerServicer(pb_grpc.TokenizerServicer):
@@ -89,7 +92,11 @@ def run(args: argparse.Namespace) -> int:
         from prefixcache.services.common.model_store import ensure_default_model
 
         model_dir = ensure_default_model()
-    tokenizer = TextTokenizer(model_dir)
+    try:
+        tokenizer = TextTokenizer(model_dir)
+    except Exception as error:  # a missing or malformed file; `tokenizers` raises plain Exceptions
+        log.error("cannot load the tokenizer from %s: %s", model_dir, error)
+        return 1
     return asyncio.run(
         run_server("prefixcache-tokenizer", f"{args.host}:{args.port}", [servicer(tokenizer)], grace_s=args.grace)
     )

@@ -29,6 +29,19 @@ class LoadedModel:
     model_id: str  # "<directory name>@sha256:<16 hex>": names the exact weights
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """A model directory that passed every check short of reading its tensors."""
+
+    directory: Path
+    config: ModelConfig
+    files: list[Path]
+
+    def model_id(self) -> str:
+        """"<directory name>@sha256:<16 hex>" from a digest of the weight files (reads them all)."""
+        return f"{self.directory.name}@sha256:{_digest(self.files)[:16]}"
+
+
 def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
@@ -57,30 +70,40 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu",
-               progress: TextIO | None = sys.stderr) -> LoadedModel:
+def inspect_checkpoint(model_dir: str | Path) -> Checkpoint:
+    """The directory, its config, its weight files and their tensor names, checked without reading
+    a tensor: what fails here fails fast (`FileNotFoundError` or `ValueError` saying what is wrong)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         what = "is a file, not a directory" if model_dir.exists() else "does not exist"
         raise FileNotFoundError(f"model directory {model_dir} {what}")
-    torch_dtype = parse_dtype(dtype)
     config = ModelConfig.from_model_dir(model_dir)
     files = weight_files(model_dir)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        expected = LlamaForCausalLM(config).expected_checkpoint_names()
+    _check_complete(model_dir, files, expected)
+    return Checkpoint(model_dir, config, files)
+
+
+def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu",
+               progress: TextIO | None = sys.stderr) -> LoadedModel:
+    torch_dtype = parse_dtype(dtype)
+    checkpoint = inspect_checkpoint(model_dir)
+    files = checkpoint.files
+    with torch.device("meta"):
+        model = LlamaForCausalLM(checkpoint.config)
     model = model.to(torch_dtype).to_empty(device=device).eval()  # cast while on meta: no memory twice
-    _check_complete(model_dir, files, model.expected_checkpoint_names())
     reporter = _Progress(sum(path.stat().st_size for path in files), progress)
     for path in files:
-        with safe_open(str(path), framework="pt") as checkpoint:
-            for name in checkpoint.keys():
-                tensor = checkpoint.get_tensor(name)
+        with safe_open(str(path), framework="pt") as shard:
+            for name in shard.keys():
+                tensor = shard.get_tensor(name)
                 model.load_weight(name, tensor)
                 reporter.advance(tensor.numel() * tensor.element_size())
     reporter.finish()
     if torch.device(device).type == "cpu":
         model.lay_out_for_cpu()
-    return LoadedModel(model=model, config=config, model_id=f"{model_dir.name}@sha256:{_digest(files)[:16]}")
+    return LoadedModel(model=model, config=checkpoint.config, model_id=checkpoint.model_id())
 
 
 def _check_complete(model_dir: Path, files: list[Path], expected: set[str]) -> None:

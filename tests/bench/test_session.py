@@ -7,6 +7,7 @@ from prefixcache.services.bench.engine import EngineFacts
 from prefixcache.services.bench.session import (
     BenchConfig,
     BenchOutcome,
+    check_comparable,
     parse_workloads,
     plan_workloads,
     resolve_options,
@@ -55,12 +56,20 @@ def test_a_thrash_run_too_short_for_evictions_to_dominate_is_noted():
     ({"concurrency": 0}, "concurrency"),
     ({"warmup_requests": -1}, "warmup"),
     ({"request_timeout_s": 0.0}, "request_timeout"),
-    ({"no_cache_target": "h:1"}, "only used with compare_no_cache"),
-    ({"target": "h:1", "compare_no_cache": True}, "needs no_cache_target"),
+    ({"no_cache_target": "h:1"}, "--no-cache-target is only used with --compare-no-cache"),
+    ({"target": "h:1", "compare_no_cache": True}, "--compare-no-cache with --target needs --no-cache-target"),
 ])
 def test_config_checks(kwargs, message):
     with pytest.raises(ValueError, match=message):
         BenchConfig(workloads=("unique",), options=WorkloadOptions(), **kwargs)
+
+
+def test_runs_compare_only_on_engines_that_differ_in_caching_alone():
+    check_comparable(FACTS, replace(FACTS, prefix_caching_enabled=False, num_kv_blocks=7), "h:2")
+    other = replace(FACTS, model_id="tiny-random@1", dtype="bfloat16", prefix_caching_enabled=False)
+    with pytest.raises(ValueError, match=f"the engine at h:2 is not the first run's engine with caching off: "
+                                         f"model_id '{FACTS.model_id}' against 'tiny-random@1'; dtype"):
+        check_comparable(FACTS, other, "h:2")
 
 
 def test_few_shot_lengths_are_checked_only_when_few_shot_runs():

@@ -6,6 +6,7 @@ import contextlib
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -13,7 +14,7 @@ import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from prefixcache.protos.engine.v1 import engine_pb2, engine_pb2_grpc
-from prefixcache.services.cli.launcher import free_port
+from prefixcache.services.cli.launcher import ServiceProcess, free_port
 from prefixcache.services.common.grpc_client import is_serving, open_channel, wait_until_serving
 
 
@@ -38,6 +39,35 @@ def test_tokenizer_process_serves_health_and_reflection_and_exits_0_on_sigterm(m
             process.kill()
         log.close()
     assert "shutting down" in (tmp_path / "tokenizer.log").read_text()
+
+
+def test_a_service_under_serve_ignores_ctrl_c_and_survives_repeated_sigterms(model_dir: Path, tmp_path: Path) -> None:
+    """`serve` starts its services with SIGINT ignored (it stops them itself, in order), and a
+    service keeps ignoring stop signals once its shutdown began, up to its exit: a supervisor's
+    SIGTERM on top of the first one must not turn a clean exit into death by signal."""
+    port = free_port()
+    service = ServiceProcess("tokenizer", ["tokenizer", "--host", "127.0.0.1", "--port", str(port),
+                                           "--model-dir", str(model_dir)], f"127.0.0.1:{port}", tmp_path / "t.log")
+    service.start()
+    try:
+        asyncio.run(wait_until_serving(service.address, timeout_s=60))
+        service.process.send_signal(signal.SIGINT)  # what Ctrl-C sends the terminal's process group
+        time.sleep(1.0)
+        assert service.running
+        asyncio.run(wait_until_serving(service.address, timeout_s=5))  # still serving
+        while service.running:  # SIGTERM after SIGTERM, through the shutdown and the interpreter's exit
+            service.process.send_signal(signal.SIGTERM)
+            time.sleep(0.002)
+        assert service.process.wait() == 0, service.log_tail()
+    finally:
+        service.kill()
+
+
+def test_the_tokenizer_reports_a_model_dir_without_tokenizer_json_in_one_line(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "prefixcache.services.cli.main", "tokenizer", "--port", "0",
+                             "--model-dir", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert f"no tokenizer.json in {tmp_path}" in result.stderr and "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@ SmolLM2 tokenization (digits split one by one), the chat template, and the CLI."
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import zipfile
@@ -107,5 +108,24 @@ def test_cli_show_describes_a_model_and_fails_without_one(smollm_dir: Path, tmp_
     assert cli_main(["model", "show", "--model-dir", str(smollm_dir)]) == 0
     shown = capsys.readouterr().out
     assert "LlamaForCausalLM" in shown and "9/3" in shown
+    assert re.search(r"^model id +SmolLM2-135M-Instruct@sha256:[0-9a-f]{16}$", shown, re.MULTILINE), shown
     assert cli_main(["model", "show", "--model-dir", str(tmp_path)]) == 1
-    assert "config.json missing" in capsys.readouterr().err
+    assert "config.json is missing" in capsys.readouterr().err
+    # A user's own directory that does not exist: no hint to pull the embedded model.
+    assert cli_main(["model", "show", "--model-dir", str(tmp_path / "nowhere")]) == 1
+    assert capsys.readouterr().err.strip() == f"error: model directory {tmp_path / 'nowhere'} does not exist"
+
+
+def test_cli_show_checks_a_model_as_the_services_would(smollm_dir: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    weights_only = tmp_path / "weights-only"  # what the worker needs, without the tokenizer's file
+    weights_only.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (weights_only / name).symlink_to(smollm_dir / name)
+    assert cli_main(["model", "show", "--model-dir", str(weights_only)]) == 1
+    assert "no tokenizer.json" in capsys.readouterr().err
+    other = tmp_path / "gpt2"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    assert cli_main(["model", "show", "--model-dir", str(other)]) == 1
+    assert "unsupported architecture ['GPT2LMHeadModel']" in capsys.readouterr().err
