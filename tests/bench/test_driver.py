@@ -191,7 +191,7 @@ def test_cli_rejects_bad_input(engine_server, capsys):
     assert cli.main(["bench", "--target", target, "--concurrency", "0", "--no-progress"]) == 2
     assert "concurrency" in capsys.readouterr().err
     assert cli.main(["bench", "--target", target, "--compare-no-cache"]) == 2
-    assert "no_cache_target" in capsys.readouterr().err
+    assert "--compare-no-cache with --target needs --no-cache-target" in capsys.readouterr().err
     assert cli.main(["bench", "--target", target, "--prefix-len", "5000", "--no-progress", "--warmup", "0"]) == 2
     assert "max_model_len" in capsys.readouterr().err
 
