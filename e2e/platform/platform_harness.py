@@ -13,8 +13,9 @@ from prefixcache.services.common.engine_client import EngineClient
 # enough that the eviction test fills it with two more.
 KV_CACHE_MEMORY = "80MiB"
 # 16 running and 16 waiting at most: room for 16 concurrent arrivals, few enough for the queue-full test.
-# A grace long enough for a loaded CI machine to finish the in-flight stream of test_shutdown.
-SCHEDULER_ARGS = ["--max-num-seqs", "16", "--max-waiting", "16", "--grace", "30"]
+SCHEDULER_ARGS = ["--max-num-seqs", "16", "--max-waiting", "16"]
+# Long enough for a loaded CI machine to finish the in-flight stream of test_shutdown.
+GRACE_S = 30.0
 # Every service prints its spans to its log (read by test_tracing), exported within 0.1 s.
 TRACING_ENV = {"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "100"}
 # grpc.aio binds its poller to the first event loop it sees: every test runs on this one.
@@ -37,19 +38,20 @@ def start_platform(log_dir: Path, extra_scheduler_args: list[str] = ()) -> Local
             kv_cache_memory=KV_CACHE_MEMORY,
             scheduler_args=[*SCHEDULER_ARGS, "--metrics-port", str(free_port()), *extra_scheduler_args],
             env=TRACING_ENV,
+            grace_s=GRACE_S,
         )
     )
     platform.start()
     try:
         run(platform.wait_ready(timeout_s=240))
     except BaseException:
-        platform.stop(grace_s=5)
+        platform.stop()
         raise
     return platform
 
 
 def stop_platform(platform: LocalPlatform) -> None:
-    statuses = platform.stop(grace_s=20)
+    statuses = platform.stop()
     # SIGTERM is a clean shutdown for every service: exit status 0.
     assert statuses == {"scheduler": 0, "worker": 0, "tokenizer": 0}, (
         f"{statuses}\n" + "\n".join(f"--- {s.name}\n{s.log_tail()}" for s in platform.services)

@@ -1,7 +1,9 @@
 """`prefixcache serve --demo`, the README's first command: three processes, two requests, a cache hit."""
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import signal
 import subprocess
@@ -58,6 +60,35 @@ def test_sigterm_to_serve_past_the_grace_aborts_cleanly_and_exits_0(tmp_path: Pa
     assert completion["finish_reason"] == "abort", err
     assert 0 < completion["usage"]["completion_tokens"] < 3000
     assert serve.stderr.read() == ""  # no service exited with an error
+
+
+def test_sigterm_to_the_whole_process_group_still_lets_in_flight_requests_finish(tmp_path: Path) -> None:
+    """systemd (KillMode=control-group) and `kill -- -PGID` signal every process at once: the
+    worker and the tokenizer keep serving the draining scheduler until it is done."""
+    port = free_port()
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "prefixcache.services.cli.main", "serve", "--port", str(port), "--grace", "60",
+         "--kv-cache-memory", "256MiB", "--log-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert "Engine API serving" in _line_containing(serve.stdout, "Engine API serving", timeout_s=300)
+        generate = subprocess.Popen(
+            [sys.executable, "-m", "prefixcache.services.cli.main", "generate", "--target", f"127.0.0.1:{port}",
+             "--json", "--max-tokens", "40", "--ignore-eos", "--temperature", "0", "Count to a million."],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        time.sleep(2)  # admitted and streaming, far from done
+        os.killpg(serve.pid, signal.SIGTERM)
+        out, err = generate.communicate(timeout=120)
+        assert serve.wait(timeout=120) == 0, serve.stderr.read()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(serve.pid, signal.SIGKILL)
+    assert generate.returncode == 0, err
+    completion = json.loads(out)
+    assert (completion["finish_reason"], completion["usage"]["completion_tokens"]) == ("length", 40)
+    assert serve.stderr.read() == ""
 
 
 def _line_containing(stream, text: str, timeout_s: float) -> str:

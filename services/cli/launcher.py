@@ -21,6 +21,7 @@ LOOPBACK = "127.0.0.1"
 # Each service bounds its own shutdown by the grace it was given, then needs a little more to close
 # aborted streams (their final message) and its server: only this much later is it killed.
 SHUTDOWN_MARGIN_S = 10.0
+DRAIN_IDLE_S = 1.0  # how long the worker and tokenizer wait for the scheduler's next call when stopping
 
 
 def free_port() -> int:
@@ -95,6 +96,7 @@ class PlatformConfig:
     scheduler_args: list[str] = field(default_factory=list)  # extra flags, e.g. ["--no-prefix-caching"]
     worker_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # for every service, e.g. OTEL_* variables
+    grace_s: float = 15.0  # the scheduler's to finish in-flight requests on SIGTERM
 
 
 class LocalPlatform:
@@ -105,9 +107,12 @@ class LocalPlatform:
         config.log_dir.mkdir(parents=True, exist_ok=True)
         tokenizer_port, worker_port = free_port(), free_port()
         model = ["--model-dir", str(config.model_dir)]
+        # The scheduler is the only caller of both: if they get SIGTERM with it (a process group or a
+        # cgroup signalled as a whole), they serve it until it has drained.
+        draining = ["--drain-idle", str(DRAIN_IDLE_S), "--grace", str(config.grace_s + DRAIN_IDLE_S + 1)]
         self.tokenizer = ServiceProcess(
             "tokenizer",
-            ["tokenizer", "--host", LOOPBACK, "--port", str(tokenizer_port), *model],
+            ["tokenizer", "--host", LOOPBACK, "--port", str(tokenizer_port), *model, *draining],
             f"{LOOPBACK}:{tokenizer_port}",
             config.log_dir / "tokenizer.log",
             config.env,
@@ -115,7 +120,7 @@ class LocalPlatform:
         self.worker = ServiceProcess(
             "worker",
             [
-                "worker", "--host", LOOPBACK, "--port", str(worker_port), *model,
+                "worker", "--host", LOOPBACK, "--port", str(worker_port), *model, *draining,
                 "--dtype", config.dtype, "--kv-cache-memory", config.kv_cache_memory, *config.worker_args,
             ],  # fmt: skip
             f"{LOOPBACK}:{worker_port}",
@@ -126,7 +131,8 @@ class LocalPlatform:
             "scheduler",
             [
                 "scheduler", "--host", config.engine_host, "--port", str(config.engine_port),
-                "--tokenizer", self.tokenizer.address, "--worker", self.worker.address, *config.scheduler_args,
+                "--tokenizer", self.tokenizer.address, "--worker", self.worker.address,
+                "--grace", str(config.grace_s), *config.scheduler_args,
             ],  # fmt: skip
             f"{_client_host(config.engine_host)}:{config.engine_port}",
             config.log_dir / "scheduler.log",
@@ -168,16 +174,17 @@ class LocalPlatform:
         """A service that is no longer running, if any."""
         return next((s for s in self.services if not s.running), None)
 
-    def stop(self, grace_s: float = 15.0) -> dict[str, int | None]:
-        """SIGTERM the scheduler first (it drains within `grace_s`), then the others; exit status per
+    def stop(self) -> dict[str, int | None]:
+        """SIGTERM the scheduler first (it drains within its grace), then the others; exit status per
         service. A service still running `SHUTDOWN_MARGIN_S` after its grace is killed (status -9)."""
         statuses = {}
+        timeout_s = self.config.grace_s + DRAIN_IDLE_S + 1 + SHUTDOWN_MARGIN_S
         self.scheduler.terminate()
-        statuses["scheduler"] = self.scheduler.wait(grace_s + SHUTDOWN_MARGIN_S)
+        statuses["scheduler"] = self.scheduler.wait(timeout_s)
         for service in (self.worker, self.tokenizer):
             service.terminate()
         for service in (self.worker, self.tokenizer):
-            statuses[service.name] = service.wait(grace_s + SHUTDOWN_MARGIN_S)
+            statuses[service.name] = service.wait(timeout_s)
         return statuses
 
     def restart_worker(self) -> None:

@@ -64,7 +64,6 @@ def platform_config(args: argparse.Namespace, model_dir: Path) -> PlatformConfig
     scheduler_args = [
         "--block-size", str(args.block_size), "--hash-algo", args.hash_algo,
         "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-        "--grace", str(args.grace),
     ]  # fmt: skip
     if args.no_prefix_caching:
         scheduler_args.append("--no-prefix-caching")
@@ -78,6 +77,7 @@ def platform_config(args: argparse.Namespace, model_dir: Path) -> PlatformConfig
         dtype=args.dtype,
         kv_cache_memory=args.kv_cache_memory,
         scheduler_args=scheduler_args,
+        grace_s=args.grace,
     )
 
 
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         code = asyncio.run(_serve(platform, args))
     finally:
-        statuses = platform.stop(args.grace)
+        statuses = platform.stop()
     # -SIGTERM: stopped by our own SIGTERM before it could set up its handler (still starting).
     failed = {name: status for name, status in statuses.items() if status not in (0, None, -signal.SIGTERM)}
     if failed:

@@ -2,15 +2,17 @@
 
 A service hands over its servicers plus optional `startup` and `shutdown` hooks. Health reports
 NOT_SERVING until `startup` has finished (the scheduler waits for its worker there), then SERVING.
-SIGTERM or SIGINT flips health to NOT_SERVING, runs `shutdown(grace_s)` (the scheduler stops
-admitting and finishes or aborts in-flight requests there), stops the server with the same grace
-(new calls are refused at once; calls still running after the grace are cancelled) and returns 0.
+SIGTERM or SIGINT flips health to NOT_SERVING, waits for the callers to go quiet if the service
+drains (`drain_idle_s`), runs `shutdown(grace_s)` (the scheduler stops admitting and finishes or
+aborts in-flight requests there), stops the server with the same grace (new calls are refused at
+once; calls still running after the grace are cancelled) and returns 0.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -19,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from prefixcache.services.common.server_interceptors import CallActivity, MalformedRequestInterceptor
 from prefixcache.services.common.tracing import ServerTracingInterceptor, configure_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
@@ -52,6 +55,7 @@ async def run_server(
     servicers: list[Servicer],
     *,
     grace_s: float = 10.0,
+    drain_idle_s: float = 0.0,
     startup: Callable[[], Awaitable[None]] | None = None,
     shutdown: Callable[[float], Awaitable[None]] | None = None,
     ready: Callable[[int], None] | None = None,
@@ -59,11 +63,18 @@ async def run_server(
 ) -> int:
     """Serve until SIGTERM/SIGINT; return the process exit code.
 
+    With `drain_idle_s`, a stop signal does not close the door at once: calls are still served
+    until none has been in flight for that long (or `grace_s` has passed). A worker's only caller is
+    its scheduler, which may be draining its own requests at the same moment (a process group or a
+    cgroup signalled as a whole) and needs a step served until its last request is done.
+
     `ready(port)` is called once the port is bound (port 0 picks a free one). Pass `health` to set
     a service's status yourself while serving; this sets every service's on start and stop.
     """
     configure_tracing(service_name)
-    server = aio.server(interceptors=[ServerTracingInterceptor()], options=SERVER_OPTIONS)
+    activity = CallActivity()
+    server = aio.server(interceptors=[MalformedRequestInterceptor(), activity, ServerTracingInterceptor()],
+                        options=SERVER_OPTIONS)
     health = health or health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     for servicer in servicers:
@@ -112,6 +123,8 @@ async def run_server(
         loop.remove_signal_handler(signum)
         signal.signal(signum, signal.SIG_IGN)
     await health.enter_graceful_shutdown()
+    if drain_idle_s > 0 and not await activity.wait_idle(drain_idle_s, time.monotonic() + grace_s):
+        log.warning("%s: calls still arriving after the grace period; stopping anyway", service_name)
     if shutdown is not None:
         await shutdown(grace_s)
     await server.stop(grace_s)

@@ -26,6 +26,8 @@ from grpc import aio
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
+from prefixcache.services.common.server_interceptors import behavior_of, rebuild_handler
+
 log = logging.getLogger(__name__)
 
 _enabled = False
@@ -129,23 +131,8 @@ class ServerTracingInterceptor(aio.ServerInterceptor):
             return handler
         parent = _extract(handler_call_details.invocation_metadata)
         method = handler_call_details.method.lstrip("/")
-        if handler.response_streaming:
-            behavior = handler.unary_stream or handler.stream_stream
-            wrapped = _wrap_streaming(behavior, parent, method)
-        else:
-            behavior = handler.unary_unary or handler.stream_unary
-            wrapped = _wrap_unary(behavior, parent, method)
-        make = {
-            (False, False): grpc.unary_unary_rpc_method_handler,
-            (False, True): grpc.unary_stream_rpc_method_handler,
-            (True, False): grpc.stream_unary_rpc_method_handler,
-            (True, True): grpc.stream_stream_rpc_method_handler,
-        }[(handler.request_streaming, handler.response_streaming)]
-        return make(
-            wrapped,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        wrap = _wrap_streaming if handler.response_streaming else _wrap_unary
+        return rebuild_handler(handler, wrap(behavior_of(handler), parent, method))
 
 
 def _server_span(method: str, **options: Any) -> Any:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from prefixcache.services.common.block_identity import BlockHasher
+from prefixcache.services.common.quoting import quoted
 from prefixcache.services.common.step import SchedulerStep, StepOutput
 from prefixcache.services.scheduler.kv_cache import CacheStats, KVCacheManager
 from prefixcache.services.scheduler.metrics import SchedulerMetrics
@@ -209,7 +210,7 @@ class EngineCore:
 
     def _validate(self, request: EngineRequest) -> None:
         if request.request_id in self._streams:
-            raise RequestRejected("request_id", f"{request.request_id!r} is already in flight")
+            raise RequestRejected("request_id", f"{quoted(request.request_id)} is already in flight")
         self._check_fits_worker(request)
 
     def _check_fits_worker(self, request: EngineRequest) -> None:

@@ -25,6 +25,7 @@ from prefixcache.protos.engine.v1 import engine_pb2 as pb
 from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
 from prefixcache.services.common.block_identity import BlockExtras
 from prefixcache.services.common.grpc_client import status_of
+from prefixcache.services.common.quoting import quoted
 from prefixcache.services.common.step_codec import logprobs_to_proto
 from prefixcache.services.common.tracing import SpanRegistry, iterate_in_context, quiet_span
 from prefixcache.services.common.step import SamplingParams
@@ -110,7 +111,7 @@ class EngineServicer(pb_grpc.EngineServicer):
     async def Generate(self, request: pb.GenerateRequest, context: aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         request_id = request.request_id or uuid.uuid4().hex
         if request_id in self._open_request_ids:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {request_id!r} is already in flight")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {quoted(request_id)} is already in flight")
         self._open_request_ids.add(request_id)
         self._no_generate_calls.clear()
         try:
@@ -174,7 +175,7 @@ class EngineServicer(pb_grpc.EngineServicer):
         """What EngineCore cannot check: fields the public API adds."""
         if request.lora_adapter and request.lora_adapter not in self._options.lora_adapters:
             available = ", ".join(self._options.lora_adapters) or "none"
-            raise InvalidRequest("lora_adapter", f"unknown adapter {request.lora_adapter!r} (available: {available})")
+            raise InvalidRequest("lora_adapter", f"unknown adapter {quoted(request.lora_adapter)} (available: {available})")
         if request.multimodal_items and not self._options.multimodal:
             raise InvalidRequest("multimodal_items", "the model is text-only")
         for index, stop in enumerate(request.sampling.stop):

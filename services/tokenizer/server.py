@@ -82,6 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="[::]", help="address to bind (default: all interfaces)")
     parser.add_argument("--model-dir", type=Path, help="model directory with tokenizer.json (default: the embedded model)")
     parser.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on SIGTERM")
+    parser.add_argument("--drain-idle", type=float, default=0.0,
+                        help="on SIGTERM: keep serving new calls until none has been in flight for this long "
+                             "(for a tokenizer with a single scheduler; 0, the default: refuse new calls at once, "
+                             "so that a scheduler's next calls go to another replica)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -98,5 +102,6 @@ def run(args: argparse.Namespace) -> int:
         log.error("cannot load the tokenizer from %s: %s", model_dir, error)
         return 1
     return asyncio.run(
-        run_server("prefixcache-tokenizer", f"{args.host}:{args.port}", [servicer(tokenizer)], grace_s=args.grace)
+        run_server("prefixcache-tokenizer", f"{args.host}:{args.port}", [servicer(tokenizer)], grace_s=args.grace,
+                   drain_idle_s=args.drain_idle)
     )

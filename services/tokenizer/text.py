@@ -13,6 +13,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from prefixcache.services.common.quoting import quoted
+
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 
@@ -98,7 +100,7 @@ def validate_chat(turns: Sequence[ChatTurn]) -> None:
     for index, turn in enumerate(turns):
         if turn.role not in CHAT_ROLES:
             raise ChatTemplateError(
-                f"chat.messages[{index}].role: {turn.role!r} is not one of {', '.join(sorted(CHAT_ROLES))}"
+                f"chat.messages[{index}].role: {quoted(turn.role)} is not one of {', '.join(sorted(CHAT_ROLES))}"
             )
         if not turn.content:
             raise ChatTemplateError(f"chat.messages[{index}].content: must not be empty")

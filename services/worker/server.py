@@ -108,7 +108,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "free after the model has loaded (0.4)",
     )
     parser.add_argument("--attention-backend", default=None, help="attention kernels by name (default: per device)")
-    parser.add_argument("--grace", type=float, default=10.0, help="seconds a running step gets on SIGTERM")
+    parser.add_argument("--grace", type=float, default=10.0,
+                        help="on SIGTERM: seconds steps are still served while they keep coming (a scheduler "
+                             "draining beside the worker), then a running step's time to finish")
+    parser.add_argument("--drain-idle", type=float, default=1.0,
+                        help="on SIGTERM: stop once no step has arrived for this long (0: refuse new steps at once)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -142,6 +146,6 @@ def run(args: argparse.Namespace) -> int:
     registration = Servicer(SERVICE_NAME, lambda server: pb_grpc.add_WorkerServicer_to_server(servicer, server))
     return asyncio.run(
         run_server(
-            "prefixcache-worker", f"{args.host}:{args.port}", [registration], grace_s=args.grace, startup=load_model
+            "prefixcache-worker", f"{args.host}:{args.port}", [registration], grace_s=args.grace, drain_idle_s=args.drain_idle, startup=load_model
         )
     )

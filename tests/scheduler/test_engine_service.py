@@ -147,3 +147,21 @@ def test_a_client_that_stops_reading_and_times_out_leaves_no_traceback(tokenizer
 
     asyncio.run(asyncio.wait_for(main(), 60))
     assert not [r for r in caplog.records if "Failed to detach context" in r.getMessage()]
+
+
+def test_errors_quote_a_long_value_only_in_part(tokenizer: TextTokenizer) -> None:
+    """A status message travels in a header that clients cap (8 KiB): quoting a 20,000-character
+    field whole would turn INVALID_ARGUMENT into RESOURCE_EXHAUSTED on the client."""
+    long = "r" * 20_000
+
+    async def main() -> None:
+        async with engine_api(tokenizer) as (target, _), EngineClient(target) as client:
+            for request, field in ((build_request(text="hi", lora_adapter=long, max_tokens=1), "lora_adapter"),
+                                   (build_request(messages=[(long, "hi")], max_tokens=1), "chat.messages[0].role")):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await client.complete(request)
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                details = refused.value.details()
+                assert details.startswith(f"{field}: ") and "(20000 characters)" in details and len(details) < 300
+
+    asyncio.run(asyncio.wait_for(main(), 60))

@@ -29,6 +29,18 @@ def test_tokenizer_process_serves_health_and_reflection_and_exits_0_on_sigterm(m
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # the reflection client is synchronous
             services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
         assert {"prefixcache.tokenizer.v1.Tokenizer", "grpc.health.v1.Health"} <= services
+        # Bytes that are no TokenizeRequest (field 1, text, holding invalid UTF-8), unary and streamed:
+        # INVALID_ARGUMENT naming the message, and the service goes on.
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            for call in (channel.unary_unary("/prefixcache.tokenizer.v1.Tokenizer/Tokenize"),
+                         lambda data, timeout: list(channel.stream_stream(
+                             "/prefixcache.tokenizer.v1.Tokenizer/DetokenizeStream")(iter([data]), timeout=timeout))):
+                with pytest.raises(grpc.RpcError) as refused:
+                    call(b"\x0a\x01\xff", timeout=30)
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert refused.value.details().startswith("request: not a valid prefixcache.tokenizer.v1.")
+            reply = channel.unary_unary("/prefixcache.tokenizer.v1.Tokenizer/Tokenize")(b"\x0a\x02hi", timeout=30)
+            assert reply  # the token ids of "hi"
         # A second server on the same port must fail, not share the port with the first.
         second = subprocess.run(command, capture_output=True, text=True, timeout=60)
         assert second.returncode == 1 and "cannot listen" in second.stderr, second.stderr[-2000:]
@@ -38,7 +50,8 @@ def test_tokenizer_process_serves_health_and_reflection_and_exits_0_on_sigterm(m
         if process.poll() is None:
             process.kill()
         log.close()
-    assert "shutting down" in (tmp_path / "tokenizer.log").read_text()
+    log_text = (tmp_path / "tokenizer.log").read_text()
+    assert "shutting down" in log_text and "Traceback" not in log_text
 
 
 def test_a_service_under_serve_ignores_ctrl_c_and_survives_repeated_sigterms(model_dir: Path, tmp_path: Path) -> None:
