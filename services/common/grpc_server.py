@@ -72,9 +72,9 @@ async def run_server(
     a service's status yourself while serving; this sets every service's on start and stop.
     """
     configure_tracing(service_name)
-    activity = CallActivity()
-    server = aio.server(interceptors=[MalformedRequestInterceptor(), activity, ServerTracingInterceptor()],
-                        options=SERVER_OPTIONS)
+    activity = CallActivity() if drain_idle_s > 0 else None
+    interceptors = [MalformedRequestInterceptor(), *([activity] if activity else []), ServerTracingInterceptor()]
+    server = aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
     health = health or health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     for servicer in servicers:
@@ -123,7 +123,7 @@ async def run_server(
         loop.remove_signal_handler(signum)
         signal.signal(signum, signal.SIG_IGN)
     await health.enter_graceful_shutdown()
-    if drain_idle_s > 0 and not await activity.wait_idle(drain_idle_s, time.monotonic() + grace_s):
+    if activity is not None and not await activity.wait_idle(drain_idle_s, time.monotonic() + grace_s):
         log.warning("%s: calls still arriving after the grace period; stopping anyway", service_name)
     if shutdown is not None:
         await shutdown(grace_s)
