@@ -16,10 +16,11 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import grpc
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from prefixcache.services.common.server_interceptors import CallActivity, MalformedRequestInterceptor
 from prefixcache.services.common.tracing import ServerTracingInterceptor, configure_tracing, shutdown_tracing
@@ -35,6 +36,7 @@ CHANNEL_OPTIONS = (
 # gRPC sets SO_REUSEPORT by default, so a second server on a taken port starts "fine" and the kernel
 # splits connections between the two (two engines with two caches behind one address): refuse instead.
 SERVER_OPTIONS = (*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0))
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
 
 @dataclass(frozen=True)
@@ -80,9 +82,7 @@ async def run_server(
     for servicer in servicers:
         servicer.add_to_server(server)
     names = [s.name for s in servicers]
-    reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
-    )
+    _enable_reflection([*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], server)
     try:
         port = server.add_insecure_port(address)
     except RuntimeError as error:
@@ -130,6 +130,19 @@ async def run_server(
     await server.stop(grace_s)
     shutdown_tracing()
     return 0
+
+
+def _enable_reflection(service_names: list[str], server: aio.Server) -> None:
+    """Server reflection under both names clients ask for: grpcio-reflection serves only v1alpha, and
+    v1 (what current grpcurl and grpcui try first) has the very same messages under another package."""
+    servicer = reflection.aio.ReflectionServicer([*service_names, reflection.SERVICE_NAME, REFLECTION_V1])
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    v1 = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": v1}),))
 
 
 def _stop_signals() -> tuple[signal.Signals, ...]:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_reflection.v1alpha import reflection_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from prefixcache.protos.engine.v1 import engine_pb2, engine_pb2_grpc
@@ -29,6 +30,14 @@ def test_tokenizer_process_serves_health_and_reflection_and_exits_0_on_sigterm(m
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # the reflection client is synchronous
             services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
         assert {"prefixcache.tokenizer.v1.Tokenizer", "grpc.health.v1.Health"} <= services
+        # The v1 name of reflection answers too (the same messages as v1alpha's).
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            info = channel.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                                         request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                                         response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+            [reply] = list(info(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=30))
+        listed = {service.name for service in reply.list_services_response.service}
+        assert {"prefixcache.tokenizer.v1.Tokenizer", "grpc.reflection.v1.ServerReflection"} <= listed
         # Bytes that are no TokenizeRequest (field 1, text, holding invalid UTF-8), unary and streamed:
         # INVALID_ARGUMENT naming the message, and the service goes on.
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
