@@ -32,6 +32,11 @@ TOKENIZER_PORT = 50053  # the services' own default ports
 WORKER_PORT = 50052
 METRICS_PORT = 9090  # the scheduler's Prometheus endpoint (prefix-cache counters)
 WORKER_GRACE_SECONDS = 10  # a running step's time to finish once the worker gets SIGTERM
+# A tokenizer pod's termination grace, and its streams' share of it: a stopping tokenizer refuses
+# new calls at once (the scheduler's next ones go to another replica) while the detokenizing streams
+# of generations in flight run on, as long as their generation lasts, up to this.
+TOKENIZER_POD_GRACE_SECONDS = 30
+TOKENIZER_GRACE_SECONDS = 25
 # The image bakes the embedded model here (`prefixcache model pull` with PREFIXCACHE_HOME=/opt/prefixcache).
 EMBEDDED_MODEL_DIR = "/opt/prefixcache/models/SmolLM2-135M-Instruct"
 MODEL_MOUNT = "/models"
@@ -237,10 +242,11 @@ def _deployment(owner: Owner, name: str, component: str, replicas: int, pod_spec
 def _tokenizer_deployment(owner: Owner, spec: PrefixCacheSpec, config_hash: str) -> dict[str, Any]:
     volumes, mounts = _model_volumes(spec)
     container = _container(owner, "tokenizer", spec, ["tokenizer", "--port", str(TOKENIZER_PORT),
+                                                "--grace", str(TOKENIZER_GRACE_SECONDS),
                                                 "--model-dir", _model_dir(spec)],
                            TOKENIZER_PORT, startup_seconds=120, resources=spec.tokenizer.resources)
     container["volumeMounts"] += mounts
-    pod = _pod_spec([container], volumes, grace_seconds=30)
+    pod = _pod_spec([container], volumes, grace_seconds=TOKENIZER_POD_GRACE_SECONDS)
     return _deployment(owner, owner.tokenizer_deployment, "tokenizer", spec.tokenizer.replicas, pod, config_hash)
 
 

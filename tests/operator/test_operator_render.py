@@ -93,7 +93,8 @@ def test_spec_becomes_exact_command_lines() -> None:
         "--kv-cache-memory", str(6 * 2**30), "--device", "cuda", "--dtype", "bfloat16",
         "--attention-backend", "triton"]
     tokenizer = containers(objects["Deployment", "chat-tokenizer"])["tokenizer"]
-    assert tokenizer["args"] == ["tokenizer", "--port", "50053", "--model-dir", "/models/hf/SmolLM2-135M-Instruct"]
+    assert tokenizer["args"] == ["tokenizer", "--port", "50053", "--grace", "25",
+                                 "--model-dir", "/models/hf/SmolLM2-135M-Instruct"]
     assert objects["Deployment", "chat-engine"]["spec"]["replicas"] == 3
     assert objects["Deployment", "chat-tokenizer"]["spec"]["replicas"] == 2
     assert {c["image"] for c in [*engine.values(), tokenizer]} == {"registry.example/prefixcache:1.2.3"}
