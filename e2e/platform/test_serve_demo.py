@@ -62,9 +62,11 @@ def test_sigterm_to_serve_past_the_grace_aborts_cleanly_and_exits_0(tmp_path: Pa
     assert serve.stderr.read() == ""  # no service exited with an error
 
 
-def test_sigterm_to_the_whole_process_group_still_lets_in_flight_requests_finish(tmp_path: Path) -> None:
-    """systemd (KillMode=control-group) and `kill -- -PGID` signal every process at once: the
-    worker and the tokenizer keep serving the draining scheduler until it is done."""
+@pytest.mark.parametrize("signals", [(signal.SIGTERM,), (signal.SIGINT, signal.SIGINT)], ids=["sigterm", "ctrl-c-twice"])
+def test_stopping_the_whole_process_group_still_lets_in_flight_requests_finish(tmp_path: Path, signals) -> None:
+    """systemd (KillMode=control-group) and `kill -- -PGID` send SIGTERM to every process at once:
+    the worker and the tokenizer keep serving the draining scheduler until it is done. A terminal's
+    Ctrl-C reaches the whole group too, and an impatient second one must not cut the stop short."""
     port = free_port()
     serve = subprocess.Popen(
         [sys.executable, "-m", "prefixcache.services.cli.main", "serve", "--port", str(port), "--grace", "60",
@@ -79,9 +81,12 @@ def test_sigterm_to_the_whole_process_group_still_lets_in_flight_requests_finish
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         time.sleep(2)  # admitted and streaming, far from done
-        os.killpg(serve.pid, signal.SIGTERM)
+        for signum in signals:
+            os.killpg(serve.pid, signum)
+            time.sleep(1)
         out, err = generate.communicate(timeout=120)
         assert serve.wait(timeout=120) == 0, serve.stderr.read()
+        assert _session_processes(serve.pid) == []  # no service outlived serve
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(serve.pid, signal.SIGKILL)
@@ -89,6 +94,31 @@ def test_sigterm_to_the_whole_process_group_still_lets_in_flight_requests_finish
     completion = json.loads(out)
     assert (completion["finish_reason"], completion["usage"]["completion_tokens"]) == ("length", 40)
     assert serve.stderr.read() == ""
+
+
+def test_ctrl_c_during_startup_stops_serve_without_waiting_for_the_model(tmp_path: Path) -> None:
+    port = free_port()
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "prefixcache.services.cli.main", "serve", "--port", str(port), "--log-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert "starting" in serve.stdout.readline()
+        time.sleep(1.0)  # the worker is still loading its model
+        os.killpg(serve.pid, signal.SIGINT)
+        out, err = serve.communicate(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(serve.pid, signal.SIGKILL)
+    assert serve.returncode == 0, err
+    assert "Engine API serving" not in out and out.strip().endswith("stopping")
+    assert _session_processes(serve.pid) == []
+
+
+def _session_processes(session_id: int) -> list[str]:
+    """Processes still alive in the session `serve` led (its services, unless they have exited)."""
+    result = subprocess.run(["pgrep", "-a", "-s", str(session_id)], capture_output=True, text=True)
+    return result.stdout.splitlines()
 
 
 def _line_containing(stream, text: str, timeout_s: float) -> str:

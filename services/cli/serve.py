@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import signal
 import sys
 import time
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 
 from prefixcache.services.cli.launcher import LocalPlatform, PlatformConfig, default_log_dir
 from prefixcache.services.common.engine_client import Completion, EngineClient, build_request
+from prefixcache.services.common.grpc_server import set_on_signals
+
+T = TypeVar("T")
 
 DEMO_SYSTEM_PROMPT = " ".join(
     f"Rule {n}: {rule}"
@@ -89,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         code = asyncio.run(_serve(platform, args))
     finally:
+        # The stop is bounded (each service's grace plus a margin): a second Ctrl-C must not cut it
+        # short and leave services that ignore SIGINT running.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)
         statuses = platform.stop()
     # -SIGTERM: stopped by our own SIGTERM before it could set up its handler (still starting).
     failed = {name: status for name, status in statuses.items() if status not in (0, None, -signal.SIGTERM)}
@@ -100,20 +110,22 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(platform: LocalPlatform, args: argparse.Namespace) -> int:
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+    set_on_signals(stop, (signal.SIGTERM, signal.SIGINT))  # they stay set while `run` stops the services
     print(f"starting tokenizer, worker and scheduler (logs in {platform.config.log_dir})", flush=True)
     platform.start()
     try:
-        await platform.wait_ready(args.startup_timeout)
+        started, _ = await _unless_stopped(platform.wait_ready(args.startup_timeout), stop)
     except (RuntimeError, TimeoutError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    if not started:
+        print("stopping", flush=True)
+        return 0
     target = f"{args.host}:{args.port}"
     print(f"Engine API serving on {target}", flush=True)
     if args.demo:
-        return await _demo(target)
+        finished, code = await _unless_stopped(_demo(target), stop)
+        return code if finished else 1
     while not stop.is_set():
         exited = platform.exited()
         if exited is not None:
@@ -125,6 +137,21 @@ async def _serve(platform: LocalPlatform, args: argparse.Namespace) -> int:
             pass
     print("stopping", flush=True)
     return 0
+
+
+async def _unless_stopped(work: Awaitable[T], stop: asyncio.Event) -> tuple[bool, T | None]:
+    """(True, its result) once `work` is done, or (False, None) if `stop` is set first (it is then
+    cancelled): a Ctrl-C during a long startup stops at once."""
+    task = asyncio.ensure_future(work)
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return False, None
+    return True, task.result()
 
 
 async def _demo(target: str) -> int:

@@ -95,10 +95,8 @@ async def run_server(
     log.info("%s listening on port %d", service_name, port)
 
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     stop_signals = _stop_signals()
-    for signum in stop_signals:
-        loop.add_signal_handler(signum, stop.set)
+    set_on_signals(stop, stop_signals)
 
     starting = asyncio.ensure_future(startup()) if startup is not None else None
     if starting is not None:
@@ -120,7 +118,6 @@ async def run_server(
     # The shutdown is bounded by the grace; a second signal (a supervisor's SIGTERM on top of the
     # terminal's Ctrl-C) must not kill it halfway, nor the exit after the loop has closed.
     for signum in stop_signals:
-        loop.remove_signal_handler(signum)
         signal.signal(signum, signal.SIG_IGN)
     await health.enter_graceful_shutdown()
     if activity is not None and not await activity.wait_idle(drain_idle_s, time.monotonic() + grace_s):
@@ -143,6 +140,23 @@ def _enable_reflection(service_names: list[str], server: aio.Server) -> None:
         response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": v1}),))
+
+
+def set_on_signals(event: asyncio.Event, signums: tuple[signal.Signals, ...]) -> None:
+    """Set `event` (of the running loop) when one of `signums` arrives.
+
+    Not `loop.add_signal_handler`: removing one restores the default action for a moment (a signal
+    then kills the process), and closing the loop removes them all, before the process has finished
+    stopping. These stay until replaced (with SIG_IGN once shutting down); after the loop has closed
+    they do nothing."""
+    loop = asyncio.get_running_loop()
+
+    def handle(signum: int, frame: object) -> None:
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(event.set)
+
+    for signum in signums:
+        signal.signal(signum, handle)
 
 
 def _stop_signals() -> tuple[signal.Signals, ...]:

@@ -142,13 +142,14 @@ class CallActivity(aio.ServerInterceptor):
 
     async def wait_idle(self, idle_s: float, deadline: float) -> bool:
         """Until no call has been in flight for `idle_s` seconds (True), or `deadline` passes
-        (`time.monotonic()` seconds; False)."""
+        (`time.monotonic()` seconds): then False if calls were still coming."""
+        start = time.monotonic()
         while True:
             now = time.monotonic()
             if self.in_flight == 0 and now - self.last_active >= idle_s:
                 return True
             if now >= deadline:
-                return False
+                return self.in_flight == 0 and self.last_active <= start
             await asyncio.sleep(min(0.05, deadline - now))
 
 

@@ -107,6 +107,7 @@ class EngineCore:
         # once only (a request that brings the worker down again, e.g. by running it out of memory,
         # must not do so forever).
         self._held: dict[str, EngineRequest] = {}
+        self._held_counted: set[str] = set()  # held requests already in the prefix-cache counters
         self._resubmitted: set[str] = set()
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()  # set when no request is in flight
@@ -336,6 +337,7 @@ class EngineCore:
         cache, bring a worker back, then resubmit what was held."""
         self._serving = False
         assert self._scheduler is not None
+        self._held_counted = {request.request_id for request in self._scheduler.requests.values() if request.kv.counted}
         self._held = {request_id: engine_request for request_id, engine_request in self._scheduler.drop_all()
                       if request_id in self._streams and engine_request is not None
                       and request_id not in self._resubmitted}
@@ -373,7 +375,7 @@ class EngineCore:
             except RequestRejected as rejection:
                 self._fail_stream(request_id, f"the new worker cannot serve it: {rejection}")
                 continue
-            self._scheduler.add_request(request)
+            self._scheduler.add_request(request, counted=request_id in self._held_counted)
             self._resubmitted.add(request_id)
         self._wakeup.set()
 

@@ -100,10 +100,13 @@ class Scheduler:
 
     # ---- queues ---------------------------------------------------------------------------------
 
-    def add_request(self, request: EngineRequest) -> Request:
+    def add_request(self, request: EngineRequest, counted: bool = False) -> Request:
+        """Queue a request. `counted`: its prompt is already in the prefix-cache counters (a request
+        submitted again after a worker loss, once admitted before it)."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
         state = Request.from_engine_request(request)
+        state.kv.counted = counted
         self.requests[state.request_id] = state
         self.waiting.append(state)
         return state
@@ -163,6 +166,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hit_block_ids, account = self.kv_cache.get_computed_blocks(request.kv)
+            counted = request.kv.counted  # set by the allocation below, the first time
             num_hit_tokens = len(hit_block_ids) * self.kv_cache.block_size
             num_uncached = request.num_tokens - num_hit_tokens
             if num_uncached > budget and _computes_a_prompt(step):
@@ -177,9 +181,9 @@ class Scheduler:
             if request.cache_account is None:
                 request.cache_account = account
                 request.cached_tokens = num_hit_tokens
-                if account.stop_reason != "disabled":
-                    self.counters.queried_tokens += account.queried_tokens
-                    self.counters.hit_tokens += num_hit_tokens
+            if not counted and account.stop_reason != "disabled":
+                self.counters.queried_tokens += account.queried_tokens
+                self.counters.hit_tokens += num_hit_tokens
             self.counters.admissions += 1
             step.new_requests.append(
                 NewRequestData(

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TextIO
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from prefixcache.services.worker.model_config import ModelConfig, read_json_file
 from prefixcache.services.worker.models.llama import LlamaForCausalLM
@@ -110,8 +110,11 @@ def _check_complete(model_dir: Path, files: list[Path], expected: set[str]) -> N
     """Fail before reading any tensor if the files' headers lack a weight the model needs."""
     present: set[str] = set()
     for path in files:
-        with safe_open(str(path), framework="pt") as checkpoint:
-            present.update(checkpoint.keys())
+        try:
+            with safe_open(str(path), framework="pt") as checkpoint:
+                present.update(checkpoint.keys())
+        except SafetensorError as error:  # truncated or not safetensors at all
+            raise ValueError(f"{path}: not a readable safetensors file ({error})") from None
     if missing := expected - present:
         names = sorted(missing)
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")

@@ -194,6 +194,8 @@ def test_a_request_that_streamed_nothing_survives_a_worker_loss():
         assert outputs[-1].finish_reason == "length"
         assert outputs[-1].usage.cached_tokens == 0  # computed again, on the new worker's empty cache
         assert 'finish_reason="error"' not in engine.metrics.exposition().decode()
+        # Each prompt counted once: "next" was admitted before the loss, and not counted again after.
+        assert engine.cache_stats().queries == 2 * len(prompt)
 
     run(body)
 

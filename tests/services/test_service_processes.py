@@ -79,7 +79,7 @@ def test_a_service_under_serve_ignores_ctrl_c_and_survives_repeated_sigterms(mod
         asyncio.run(wait_until_serving(service.address, timeout_s=5))  # still serving
         while service.running:  # SIGTERM after SIGTERM, through the shutdown and the interpreter's exit
             service.process.send_signal(signal.SIGTERM)
-            time.sleep(0.002)
+            time.sleep(0.0001)
         assert service.process.wait() == 0, service.log_tail()
     finally:
         service.kill()

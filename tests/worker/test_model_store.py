@@ -124,6 +124,14 @@ def test_cli_show_checks_a_model_as_the_services_would(smollm_dir: Path, tmp_pat
         (weights_only / name).symlink_to(smollm_dir / name)
     assert cli_main(["model", "show", "--model-dir", str(weights_only)]) == 1
     assert "no tokenizer.json" in capsys.readouterr().err
+    truncated = tmp_path / "truncated"  # a download cut short
+    truncated.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (truncated / name).symlink_to(smollm_dir / name)
+    with open(smollm_dir / "model.safetensors", "rb") as weights:
+        (truncated / "model.safetensors").write_bytes(weights.read(1 << 20))
+    assert cli_main(["model", "show", "--model-dir", str(truncated)]) == 1
+    assert "model.safetensors: not a readable safetensors file" in capsys.readouterr().err
     other = tmp_path / "gpt2"
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
