@@ -38,18 +38,10 @@ def test_sigterm_to_serve_past_the_grace_aborts_cleanly_and_exits_0(tmp_path: Pa
     """A request that outlasts the grace period is aborted with a final message, and every service
     still exits 0: the launcher gives each one its grace plus a margin before killing it."""
     port = free_port()
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "prefixcache.services.cli.main", "serve", "--port", str(port), "--grace", "2",
-         "--kv-cache-memory", "256MiB", "--log-dir", str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    serve = _serve(port, tmp_path, "--grace", "2", "--kv-cache-memory", "256MiB")
     try:
         assert "Engine API serving" in _line_containing(serve.stdout, "Engine API serving", timeout_s=300)
-        generate = subprocess.Popen(
-            [sys.executable, "-m", "prefixcache.services.cli.main", "generate", "--target", f"127.0.0.1:{port}",
-             "--json", "--max-tokens", "3000", "--ignore-eos", "--temperature", "0", "Count to a million."],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+        generate = _generate_in_background(port, max_tokens=3000)
         time.sleep(8)  # well into the stream (the model writes ~20 tokens a second here)
         serve.send_signal(signal.SIGTERM)
         out, err = generate.communicate(timeout=120)
@@ -68,18 +60,10 @@ def test_stopping_the_whole_process_group_still_lets_in_flight_requests_finish(t
     the worker and the tokenizer keep serving the draining scheduler until it is done. A terminal's
     Ctrl-C reaches the whole group too, and an impatient second one must not cut the stop short."""
     port = free_port()
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "prefixcache.services.cli.main", "serve", "--port", str(port), "--grace", "60",
-         "--kv-cache-memory", "256MiB", "--log-dir", str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+    serve = _serve(port, tmp_path, "--grace", "60", "--kv-cache-memory", "256MiB", new_session=True)
     try:
         assert "Engine API serving" in _line_containing(serve.stdout, "Engine API serving", timeout_s=300)
-        generate = subprocess.Popen(
-            [sys.executable, "-m", "prefixcache.services.cli.main", "generate", "--target", f"127.0.0.1:{port}",
-             "--json", "--max-tokens", "40", "--ignore-eos", "--temperature", "0", "Count to a million."],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+        generate = _generate_in_background(port, max_tokens=40)
         time.sleep(2)  # admitted and streaming, far from done
         for signum in signals:
             os.killpg(serve.pid, signum)
@@ -97,11 +81,7 @@ def test_stopping_the_whole_process_group_still_lets_in_flight_requests_finish(t
 
 
 def test_ctrl_c_during_startup_stops_serve_without_waiting_for_the_model(tmp_path: Path) -> None:
-    port = free_port()
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "prefixcache.services.cli.main", "serve", "--port", str(port), "--log-dir", str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+    serve = _serve(free_port(), tmp_path, new_session=True)
     try:
         assert "starting" in serve.stdout.readline()
         time.sleep(1.0)  # the worker is still loading its model
@@ -113,6 +93,25 @@ def test_ctrl_c_during_startup_stops_serve_without_waiting_for_the_model(tmp_pat
     assert serve.returncode == 0, err
     assert "Engine API serving" not in out and out.strip().endswith("stopping")
     assert _session_processes(serve.pid) == []
+
+
+def _serve(port: int, log_dir: Path, *options: str, new_session: bool = False) -> subprocess.Popen:
+    """`prefixcache serve` as a user starts it; `new_session`: in a process group of its own, for
+    signals sent to the whole group as a terminal or systemd does."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "prefixcache.services.cli.main", "serve", "--port", str(port), "--log-dir", str(log_dir),
+         *options],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=new_session,
+    )  # fmt: skip
+
+
+def _generate_in_background(port: int, max_tokens: int) -> subprocess.Popen:
+    """A greedy generation that ignores end-of-sequence, printing one JSON object at the end."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "prefixcache.services.cli.main", "generate", "--target", f"127.0.0.1:{port}",
+         "--json", "--max-tokens", str(max_tokens), "--ignore-eos", "--temperature", "0", "Count to a million."],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
 
 
 def _session_processes(session_id: int) -> list[str]:

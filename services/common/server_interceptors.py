@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -49,8 +50,10 @@ def wrap_behavior(behavior: Callable, around: Callable[[Any, aio.ServicerContext
     if inspect.isasyncgenfunction(behavior):
         async def stream(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
             async with around(request, context) as request:
-                async for response in behavior(request, context):
-                    yield response
+                # Closed here, before `around` exits, also when gRPC drops the stream at a yield.
+                async with contextlib.aclosing(behavior(request, context)) as responses:
+                    async for response in responses:
+                        yield response
         return stream
 
     async def call(request: Any, context: aio.ServicerContext) -> Any:

@@ -12,6 +12,7 @@ never the cache salt or tenant.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -115,8 +116,12 @@ class EngineServicer(pb_grpc.EngineServicer):
         self._open_request_ids.add(request_id)
         self._no_generate_calls.clear()
         try:
-            async for response in self._generate(request_id, request, context):
-                yield response
+            # Closed explicitly, innermost first, even when gRPC drops the stream at a yield: left to
+            # the garbage collector, an outer layer closes before an inner one, and the request's span
+            # would end before its outcome is written on it.
+            async with contextlib.aclosing(self._generate(request_id, request, context)) as responses:
+                async for response in responses:
+                    yield response
         finally:
             self._open_request_ids.discard(request_id)
             if not self._open_request_ids:
@@ -127,9 +132,11 @@ class EngineServicer(pb_grpc.EngineServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         # The span is current only while each response is computed (see `iterate_in_context`).
         with quiet_span(_tracer, "generate", current=False, attributes=self._request_attributes(request_id, request)) as span:
-            responses = self._responses(request_id, request, context, span)
-            async for response in iterate_in_context(responses, trace.set_span_in_context(span)):
-                yield response
+            responses = iterate_in_context(self._responses(request_id, request, context, span),
+                                           trace.set_span_in_context(span))
+            async with contextlib.aclosing(responses):  # closes `_responses`, which annotates the span
+                async for response in responses:
+                    yield response
 
     async def _responses(
         self, request_id: str, request: pb.GenerateRequest, context: aio.ServicerContext, span: trace.Span
