@@ -98,6 +98,11 @@ class PlatformConfig:
     env: dict[str, str] = field(default_factory=dict)  # for every service, e.g. OTEL_* variables
     grace_s: float = 15.0  # the scheduler's to finish in-flight requests on SIGTERM
 
+    @property
+    def draining_grace_s(self) -> float:
+        """The worker's and the tokenizer's grace: the scheduler's, their wait for it to go quiet, a second."""
+        return self.grace_s + DRAIN_IDLE_S + 1
+
 
 class LocalPlatform:
     """Tokenizer, worker and scheduler processes. Use `start()`, `wait_ready()`, `stop()`."""
@@ -109,7 +114,7 @@ class LocalPlatform:
         model = ["--model-dir", str(config.model_dir)]
         # The scheduler is the only caller of both: if they get SIGTERM with it (a process group or a
         # cgroup signalled as a whole), they serve it until it has drained.
-        draining = ["--drain-idle", str(DRAIN_IDLE_S), "--grace", str(config.grace_s + DRAIN_IDLE_S + 1)]
+        draining = ["--drain-idle", str(DRAIN_IDLE_S), "--grace", str(config.draining_grace_s)]
         self.tokenizer = ServiceProcess(
             "tokenizer",
             ["tokenizer", "--host", LOOPBACK, "--port", str(tokenizer_port), *model, *draining],
@@ -178,7 +183,7 @@ class LocalPlatform:
         """SIGTERM the scheduler first (it drains within its grace), then the others; exit status per
         service. A service still running `SHUTDOWN_MARGIN_S` after its grace is killed (status -9)."""
         statuses = {}
-        timeout_s = self.config.grace_s + DRAIN_IDLE_S + 1 + SHUTDOWN_MARGIN_S
+        timeout_s = self.config.draining_grace_s + SHUTDOWN_MARGIN_S
         self.scheduler.terminate()
         statuses["scheduler"] = self.scheduler.wait(timeout_s)
         for service in (self.worker, self.tokenizer):
