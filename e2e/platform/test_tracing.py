@@ -106,33 +106,43 @@ def test_trace_context_crosses_all_services(platform: LocalPlatform, target: str
         assert SECRET_SALT not in text
 
 
-def test_evictions_are_span_events_naming_block_hashes(platform: LocalPlatform, target: str) -> None:
+def test_evictions_are_span_events_naming_block_hashes_and_the_requests_that_stored_them(
+        platform: LocalPlatform, target: str) -> None:
     prompt_blocks = 63
+    run_id = time.monotonic_ns()
 
-    async def main() -> tuple[int, int]:
+    async def main() -> tuple[int, int, list[str]]:
         async with EngineClient(target) as engine:
+            assert await engine.reset_prefix_cache()  # only this test's requests hold cached blocks
             before = await engine.cache_stats()
             # Distinct prompts until their blocks outnumber the pool: the last ones must evict.
-            for n in range(before.num_blocks // prompt_blocks + 1):
+            request_ids = [f"district-{run_id}-{n}" for n in range(before.num_blocks // prompt_blocks + 1)]
+            for n, request_id in enumerate(request_ids):
                 prompt = shared_prefix(prompt_blocks * 16, f"district {n}")
-                await engine.complete(build_request(token_ids=prompt, max_tokens=1, temperature=0.0), timeout_s=300)
+                await engine.complete(build_request(token_ids=prompt, max_tokens=1, temperature=0.0,
+                                                    request_id=request_id), timeout_s=300)
             after = await engine.cache_stats()
-            return before.evictions, after.evictions
+            return before.evictions, after.evictions, request_ids
 
     def eviction_events() -> list[dict]:
         return [
             event
             for span in spans_in(platform.scheduler.log_path)
-            if span["name"] == "generate"
+            if span["name"] == "generate" and span["attributes"]["gen_ai.request.id"] in request_ids
             for event in span["events"]
             if event["name"] == "prefix_cache.eviction"
         ]
 
-    before, after = run(main())
+    before, after, request_ids = run(main())
     assert after > before
-    eventually(lambda: len(eviction_events()) >= after - before, "fewer eviction events than evictions")
+    evicted = lambda: sum(e["attributes"]["prefix_cache.evicted_blocks"] for e in eviction_events())  # noqa: E731
+    eventually(lambda: evicted() == after - before, "the eviction events do not add up to the evictions")
     events = eviction_events()
-    assert all(len(bytes.fromhex(e["attributes"]["prefix_cache.block_hash"])) == 32 for e in events)  # sha256
+    hashes = [h for e in events for h in e["attributes"]["prefix_cache.block_hashes"]]
+    assert len(hashes) == after - before  # each batch is far below the per-event cap
+    assert all(len(bytes.fromhex(h)) == 32 for h in hashes)  # sha256
+    storers = {r for e in events for r in e["attributes"]["prefix_cache.storing_request_ids"]}
+    assert storers and storers <= set(request_ids[:-1])  # earlier requests of this test filled them
 
 
 def test_a_cancelled_request_span_reports_what_it_delivered(platform: LocalPlatform, target: str) -> None:
@@ -158,6 +168,30 @@ def test_a_cancelled_request_span_reports_what_it_delivered(platform: LocalPlatf
     assert attributes["gen_ai.response.finish_reasons"] == ["abort"]
     # At least what the client read; the server may have sent a few more before it saw the cancel.
     assert delivered <= attributes["gen_ai.usage.output_tokens"] < 200
+
+
+def test_a_request_cancelled_before_its_first_token_still_reports_its_cache_lookup(
+        platform: LocalPlatform, target: str) -> None:
+    trace_id = 0x5EED0000000000000000000000EA2717
+    caller = SpanContext(trace_id, CALLER_SPAN_ID, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    prompt = shared_prefix(64 * 16, f"a cold survey {time.monotonic_ns()}")  # a second of prefill at least
+
+    async def main() -> None:
+        async with EngineClient(target) as engine:
+            with trace.use_span(NonRecordingSpan(caller)):
+                with pytest.raises(grpc.aio.AioRpcError) as ended:
+                    await engine.complete(build_request(token_ids=prompt, max_tokens=4), timeout_s=0.3)
+        assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    run(main())
+    log = platform.scheduler.log_path
+    eventually(lambda: any(s["name"] == "generate" for s in spans_of_trace(log, trace_id)),
+               "the scheduler exported no span for the cancelled request")
+    attributes = next(s for s in spans_of_trace(log, trace_id) if s["name"] == "generate")["attributes"]
+    assert attributes["gen_ai.response.finish_reasons"] == ["abort"]
+    assert attributes["gen_ai.usage.output_tokens"] == 0
+    assert attributes["prefix_cache.miss_reason"] == "cold"
+    assert attributes["prefix_cache.blocks_queried"] == 64
 
 
 def test_a_refused_request_span_names_the_failure_without_quoting_the_request(platform: LocalPlatform,

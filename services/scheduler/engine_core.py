@@ -162,9 +162,15 @@ class EngineCore:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def add_request(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+    def add_request(
+        self, request: EngineRequest, on_abandon: Callable[[RequestOutput], None] | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Queue a request; iterate the result for its outputs. Raises RequestRejected, QueueFull or
-        EngineUnavailable at once, before anything is queued."""
+        EngineUnavailable at once, before anything is queued.
+
+        Leaving the iteration early (closed, or cancelled while waiting) aborts the request; the
+        last output that abort produced, which nobody reads, goes to `on_abandon`: it may carry the
+        cache account of a request cancelled before its first token."""
         if not self._serving or self._scheduler is None:
             raise EngineUnavailable("the engine is stopping" if self._stopping else "the worker is not available")
         self._validate(request)
@@ -176,10 +182,13 @@ class EngineCore:
         self._idle.clear()
         self._wakeup.set()
         self.metrics.request_added(len(request.prompt_token_ids))
-        return self._stream(request.request_id, queue)
+        return self._stream(request.request_id, queue, on_abandon)
 
     async def _stream(
-        self, request_id: str, queue: asyncio.Queue[RequestOutput | Exception]
+        self,
+        request_id: str,
+        queue: asyncio.Queue[RequestOutput | Exception],
+        on_abandon: Callable[[RequestOutput], None] | None,
     ) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
@@ -192,22 +201,25 @@ class EngineCore:
                 yield item
         finally:
             if not finished and self._streams.get(request_id) is queue:
-                self.abort(request_id)  # the client went away: free its blocks now
+                last = self.abort(request_id)  # the client went away: free its blocks now
+                if last is not None and on_abandon is not None:
+                    on_abandon(last)
 
-    def abort(self, request_id: str, reason: str = FINISH_ABORT) -> None:
+    def abort(self, request_id: str, reason: str = FINISH_ABORT) -> RequestOutput | None:
         """End a request now and free its blocks; its stream gets a last output with `reason`
-        ("abort" unless the caller ended it for another reason, a stop string: "stop").
-        Unknown or finished ids are ignored."""
+        ("abort" unless the caller ended it for another reason, a stop string: "stop"), which is
+        also returned, for a caller that no longer reads the stream. Unknown or finished ids are
+        ignored (None)."""
         held = self._held.pop(request_id, None)
         if held is not None:  # waiting for a worker: it has no state anywhere else
-            self._deliver(RequestOutput(request_id, [], True, reason, Usage(len(held.prompt_token_ids), 0, 0)))
-            return
-        if self._scheduler is None:
-            return
-        output = self._scheduler.abort(request_id, reason)
+            output = RequestOutput(request_id, [], True, reason, Usage(len(held.prompt_token_ids), 0, 0))
+            self._deliver(output)
+            return output
+        output = self._scheduler.abort(request_id, reason) if self._scheduler is not None else None
         if output is not None:
             self._deliver(output)
             self._wakeup.set()  # tell the worker to drop it
+        return output
 
     def _validate(self, request: EngineRequest) -> None:
         if request.request_id in self._streams:

@@ -145,7 +145,8 @@ class EngineServicer(pb_grpc.EngineServicer):
             self._check_options(request)
             prompt_ids = await self._prompt_ids(request)
             engine_request = self._engine_request(request_id, request, prompt_ids)
-            outputs = self._engine.add_request(engine_request)
+            abandoned: list[RequestOutput] = []  # the last output, if the engine saw the call leave first
+            outputs = self._engine.add_request(engine_request, on_abandon=abandoned.append)
         except InvalidRequest as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except RequestRejected as error:
@@ -173,7 +174,8 @@ class EngineServicer(pb_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"tokenizer: {status_of(error)[1]}")
         finally:
             if not stream.finished:  # cancelled by the client, deadline, or an error above
-                self._engine.abort(request_id)
+                for output in [*abandoned, self._engine.abort(request_id)]:
+                    stream.absorb(output)
             self._request_spans.remove(request_id)
             await stream.close()
             stream.annotate(span)
@@ -403,8 +405,30 @@ class _Stream:
             span.set_attribute("prefix_cache.blocks_matched", self.account.hit_blocks)
             span.set_attribute("prefix_cache.miss_reason", self.account.stop_reason)
         for batch in self.evictions:
-            for block_hash in batch.block_hashes:
-                span.add_event("prefix_cache.eviction", {"prefix_cache.block_hash": block_hash.hex()})
+            span.add_event("prefix_cache.eviction", eviction_attributes(batch), timestamp=batch.evicted_at_ns)
+
+    def absorb(self, output: RequestOutput | None) -> None:
+        """Take the cache account and evictions of the last output of a stream that ended before
+        reading it (cancelled before its first token, say), so the span still tells them."""
+        if output is None:
+            return
+        self.evictions.extend(output.evictions)
+        if output.cache_account is not None:
+            self.account = output.cache_account
+
+
+MAX_HASHES_PER_EVICTION_EVENT = 256
+
+
+def eviction_attributes(batch: EvictionBatch) -> dict[str, int | list[str]]:
+    """One span event per allocation that evicted: how many blocks, which hashes (the first
+    `MAX_HASHES_PER_EVICTION_EVENT`, LRU order), and the requests whose tokens had filled them."""
+    hashes = batch.block_hashes[:MAX_HASHES_PER_EVICTION_EVENT]
+    return {
+        "prefix_cache.evicted_blocks": len(batch),
+        "prefix_cache.block_hashes": [block_hash.hex() for block_hash in hashes],
+        "prefix_cache.storing_request_ids": list(dict.fromkeys(batch.storing_request_ids)),
+    }
 
 
 def public_field(engine_field: str, request: pb.GenerateRequest) -> str:

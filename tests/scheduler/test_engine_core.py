@@ -132,6 +132,38 @@ def test_abort_ends_the_stream_with_reason_abort():
     run(body)
 
 
+@pytest.mark.parametrize("leave_by", ["abort", "cancel"])
+def test_a_request_ended_before_its_first_output_hands_back_its_cache_account_and_evictions(leave_by):
+    """A caller that no longer reads the stream (a cancelled call) learns what the admission did:
+    from `abort`'s result, or from `on_abandon` when the engine saw the reader leave first."""
+    worker = SimulatedWorker(num_kv_blocks=8, vocab_size=VOCAB)
+    worker.step_delay_s = 0.2
+
+    async def body(engine, worker):
+        await collect(engine.add_request(request("filler", range(100, 120), max_tokens=1)))  # 5 cached blocks
+        abandoned = []
+        stream = engine.add_request(request("late", range(500, 528), max_tokens=4),  # needs 7 of 8 blocks
+                                    on_abandon=abandoned.append)
+        reader = asyncio.ensure_future(anext(stream))
+        while engine.num_running == 0:
+            await asyncio.sleep(0.01)
+        if leave_by == "abort":
+            output = engine.abort("late")
+            assert (await reader) is output and not abandoned
+        else:
+            reader.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reader
+            [output] = abandoned
+        assert output.finished and output.finish_reason == "abort" and output.new_token_ids == []
+        assert output.cache_account is not None and output.cache_account.stop_reason == "cold"
+        evicted = [event for batch in output.evictions for event in batch]
+        assert evicted and {event.storing_request_id for event in evicted} == {"filler"}
+        assert {event.evicting_request_id for event in evicted} == {"late"}
+
+    run(body, worker)
+
+
 def test_a_slow_client_does_not_hold_up_the_others():
     async def body(engine, worker):
         slow = engine.add_request(request("slow", range(10), max_tokens=30))  # never read until the end

@@ -1,6 +1,7 @@
 """The block pool: reference counts, block hashes, the hash→block map and eviction."""
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ class EvictionBatch:
     block_ids: list[int]
     block_hashes: list[bytes]
     storing_request_ids: list[str]  # per block, the request whose tokens filled it
+    evicted_at_ns: int  # wall clock (time.time_ns) when the blocks lost their hashes
 
     def __len__(self) -> int:
         return len(self.block_ids)
@@ -46,7 +48,7 @@ class EvictionBatch:
         """The batch's last `count` evictions."""
         start = len(self.block_ids) - count
         return EvictionBatch(self.evicting_request_id, self.reason, self.block_ids[start:],
-                             self.block_hashes[start:], self.storing_request_ids[start:])
+                             self.block_hashes[start:], self.storing_request_ids[start:], self.evicted_at_ns)
 
 
 class BlockPool:
@@ -125,7 +127,7 @@ class BlockPool:
         self.num_cached_blocks -= len(block_ids)
         self.num_evictions += len(block_ids)
         self._add_pending(EvictionBatch(request_id, reason, block_ids, hashes,
-                                        list(map(self.stored_by.__getitem__, block_ids))))
+                                        list(map(self.stored_by.__getitem__, block_ids)), time.time_ns()))
 
     def _add_pending(self, batch: EvictionBatch) -> None:
         """Queue a batch for `take_events`, dropping the oldest events beyond the bound."""
