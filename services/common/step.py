@@ -11,6 +11,7 @@ The same message can be broadcast to several tensor-parallel workers: nothing in
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # most alternatives a request may ask for with each sampled token
@@ -30,8 +31,8 @@ class SamplingParams:
         """(field, what is wrong) for the first invalid field, or None. The scheduler checks requests
         with this before admitting them and the worker checks steps with it, so they cannot disagree
         (a step the worker refuses would look like a lost worker). NaN fails every range check."""
-        if not self.temperature >= 0:
-            return "temperature", f"must be >= 0, got {self.temperature}"
+        if not 0 <= self.temperature < math.inf:
+            return "temperature", f"must be finite and >= 0, got {self.temperature}"
         if not 0 < self.top_p <= 1:
             return "top_p", f"must be in (0, 1], got {self.top_p}"
         if self.top_k < 0:

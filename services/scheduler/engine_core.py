@@ -237,6 +237,9 @@ class EngineCore:
             raise RequestRejected("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {info.vocab_size})")
         if request.max_tokens <= 0:
             raise RequestRejected("max_tokens", f"must be positive, got {request.max_tokens}")
+        if request.sampling.logprobs > info.vocab_size:
+            raise RequestRejected("logprobs", f"asks for {request.sampling.logprobs} alternatives; "
+                                  f"the vocabulary has {info.vocab_size} tokens")
         max_len = self.max_model_len
         if len(prompt) >= max_len:
             raise RequestRejected(

@@ -19,6 +19,7 @@ from prefixcache.services.worker.model_config import ModelConfig, read_json_file
 from prefixcache.services.worker.models.llama import LlamaForCausalLM
 
 SHARD_INDEX = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -49,7 +50,8 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def weight_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a checkpoint, from its shard index when it has one."""
+    """The safetensors files of a checkpoint: from its shard index when it has one, else
+    `model.safetensors`, else every `*.safetensors` (shards named without an index)."""
     index_path = model_dir / SHARD_INDEX
     if index_path.is_file():
         index = read_json_file(index_path)
@@ -62,6 +64,8 @@ def weight_files(model_dir: Path) -> list[Path]:
         if missing:
             raise FileNotFoundError(f"{model_dir}: {SHARD_INDEX} lists shards that are missing: {', '.join(missing)}")
         return files
+    if (model_dir / SINGLE_FILE).is_file():  # transformers reads only this; others (adapters, say) are not ours
+        return [model_dir / SINGLE_FILE]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         other = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.gguf"))
@@ -94,13 +98,19 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
         model = LlamaForCausalLM(checkpoint.config)
     model = model.to(torch_dtype).to_empty(device=device).eval()  # cast while on meta: no memory twice
     reporter = _Progress(sum(path.stat().st_size for path in files), progress)
+    tied_head_in_checkpoint = None
     for path in files:
         with safe_open(str(path), framework="pt") as shard:
             for name in shard.keys():
                 tensor = shard.get_tensor(name)
-                model.load_weight(name, tensor)
+                if name == "lm_head.weight" and checkpoint.config.tie_word_embeddings:
+                    tied_head_in_checkpoint = tensor
+                else:
+                    model.load_weight(name, tensor)
                 reporter.advance(tensor.numel() * tensor.element_size())
     reporter.finish()
+    if tied_head_in_checkpoint is not None:
+        model.untie_head_if_it_differs(tied_head_in_checkpoint)
     if torch.device(device).type == "cpu":
         model.lay_out_for_cpu()
     return LoadedModel(model=model, config=checkpoint.config, model_id=checkpoint.model_id())

@@ -138,13 +138,26 @@ def _rope(raw: dict[str, Any], source: str) -> RopeConfig:
 
 def _max_model_len(raw: dict[str, Any], architecture: str, source: str) -> int:
     length = _positive_int(raw, "max_position_embeddings", source)
-    window = raw.get("sliding_window")
-    # Qwen2 declares a window it does not use unless told to (transformers' default); Mistral uses its own.
-    uses_window = raw.get("use_sliding_window", architecture != "Qwen2ForCausalLM")
-    if window and uses_window:
+    window = _sliding_window(raw, architecture)
+    if window:
         # Attention over at most `window` tokens equals full attention while the context fits in it.
         length = min(length, int(window))
     return length
+
+
+def _sliding_window(raw: dict[str, Any], architecture: str) -> int | None:
+    """The window some layer attends within, read as transformers reads it (its defaults for absent
+    keys included); None when every layer attends to the whole context."""
+    if architecture == "MistralForCausalLM":
+        return raw.get("sliding_window", 4096)
+    if architecture != "Qwen2ForCausalLM" or not raw.get("use_sliding_window", False):
+        return None  # Llama has no window; Qwen2 declares one it uses only when told to
+    layer_types = raw.get("layer_types")
+    if layer_types is None:  # the layers from `max_window_layers` on slide
+        slides = raw.get("max_window_layers", 28) < raw["num_hidden_layers"]
+    else:
+        slides = "sliding_attention" in layer_types
+    return raw.get("sliding_window", 4096) if slides else None
 
 
 def read_json_file(path: Path) -> Any:

@@ -303,6 +303,7 @@ def test_a_worker_answer_that_does_not_fit_the_step_is_handled_as_a_lost_worker(
         (lambda: request("x", range(1100), max_tokens=1), "prompt_token_ids"),  # the prompt alone is beyond it
         (lambda: request("x", [1], sampling=SamplingParams(temperature=-1)), "temperature"),
         (lambda: request("x", [1], sampling=SamplingParams(temperature=float("nan"))), "temperature"),
+        (lambda: request("x", [1], sampling=SamplingParams(temperature=float("inf"))), "temperature"),
         (lambda: request("x", range(4096)), "prompt_token_ids"),  # no room left to generate
         (lambda: request("x", [1], sampling=SamplingParams(top_p=0)), "top_p"),
         (lambda: request("x", [1], sampling=SamplingParams(top_p=1.5)), "top_p"),
@@ -319,6 +320,16 @@ def test_bad_input_is_rejected_naming_the_field_and_the_engine_still_serves(make
         assert len(await collect(engine.add_request(request("ok", [1, 2, 3])))) == 6
 
     run(body, SimulatedWorker(num_kv_blocks=64, vocab_size=VOCAB, max_model_len=4096), max_model_len=2048)
+
+
+def test_more_logprobs_than_the_vocabulary_has_are_refused():
+    async def body(engine, worker):
+        with pytest.raises(RequestRejected, match="vocabulary has 12 tokens") as error:
+            engine.add_request(request("x", [1], sampling=SamplingParams(logprobs=13)))
+        assert error.value.field == "logprobs"
+        assert len(await collect(engine.add_request(request("ok", [1, 2], sampling=SamplingParams(logprobs=12))))) == 6
+
+    run(body, SimulatedWorker(num_kv_blocks=64, vocab_size=12))
 
 
 def test_duplicate_request_ids_and_a_full_queue_are_refused():

@@ -16,8 +16,9 @@ def config(architecture: str, **changes: object) -> ModelConfig:
 
 
 def test_mistral_sliding_window_caps_the_context() -> None:
-    assert config("MistralForCausalLM", sliding_window=4096).max_model_len == 4096
+    assert config("MistralForCausalLM", sliding_window=2048).max_model_len == 2048
     assert config("MistralForCausalLM", sliding_window=None).max_model_len == 32768
+    assert config("MistralForCausalLM").max_model_len == 4096  # transformers' default window when the key is absent
 
 
 def test_qwen2_has_qkv_bias_and_ignores_an_unused_window() -> None:
@@ -25,7 +26,22 @@ def test_qwen2_has_qkv_bias_and_ignores_an_unused_window() -> None:
     assert (qwen.qkv_bias, qwen.output_bias, qwen.max_model_len) == (True, False, 32768)
     # As in transformers, a Qwen2 config that does not say uses no window; one that says so does.
     assert config("Qwen2ForCausalLM", sliding_window=4096).max_model_len == 32768
-    assert config("Qwen2ForCausalLM", sliding_window=4096, use_sliding_window=True).max_model_len == 4096
+    assert config("Qwen2ForCausalLM", sliding_window=2048, use_sliding_window=True, max_window_layers=1).max_model_len == 2048
+
+
+@pytest.mark.parametrize("changes, max_model_len", [
+    ({"max_window_layers": 1}, 4096),  # layer 1 of 2 slides, within transformers' default window
+    ({"max_window_layers": 2, "sliding_window": 100}, 32768),  # no layer from 2 on: none slides
+    ({}, 32768),  # the default max_window_layers, 28, is beyond both layers
+    ({"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 100}, 100),
+    ({"layer_types": ["full_attention", "full_attention"], "sliding_window": 100}, 32768),
+])
+def test_qwen2_slides_only_in_the_layers_transformers_slides(changes: dict, max_model_len: int) -> None:
+    assert config("Qwen2ForCausalLM", use_sliding_window=True, **changes).max_model_len == max_model_len
+
+
+def test_llama_has_no_sliding_window() -> None:
+    assert config("LlamaForCausalLM", sliding_window=100).max_model_len == 32768
 
 
 def test_a_config_without_architectures_is_read_by_its_model_type() -> None:

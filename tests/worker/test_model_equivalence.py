@@ -6,6 +6,7 @@ from blocks an earlier request computed, and with chunked prefill mixed into dec
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,18 @@ def test_tiny_checkpoint_logits_match_transformers(tiny_model) -> None:
 def test_more_tiny_architectures_logits_match_transformers(kind: str, tmp_path: Path) -> None:
     model_dir = save_tiny_checkpoint(kind, tmp_path)
     reference, runner = load_reference(model_dir), ModelRunner(model_dir)
+    for prompt in sample_prompts(runner.config.vocab_size):
+        difference = (runner_logits(runner, prompt, block_size=4) - reference_logits(reference, prompt)).abs().max()
+        assert difference <= LOGITS_TOLERANCE
+
+
+def test_a_head_the_checkpoint_carries_wins_over_a_config_that_ties_it(tmp_path: Path) -> None:
+    """As in transformers: `tie_word_embeddings: true`, yet `lm_head.weight` in the checkpoint."""
+    model_dir = save_tiny_checkpoint("mistral", tmp_path)  # untied: its own lm_head.weight
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    reference, runner = load_reference(model_dir), ModelRunner(model_dir)
+    assert not torch.equal(reference.lm_head.weight, reference.model.embed_tokens.weight)
     for prompt in sample_prompts(runner.config.vocab_size):
         difference = (runner_logits(runner, prompt, block_size=4) - reference_logits(reference, prompt)).abs().max()
         assert difference <= LOGITS_TOLERANCE

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from runner_harness import HandScheduler, save_tiny_checkpoint
 
 from prefixcache.services.common.step import (
@@ -15,6 +16,7 @@ from prefixcache.services.common.step import (
     SamplingParams,
     SchedulerStep,
 )
+from prefixcache.services.worker.loader import weight_files
 from prefixcache.services.worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 4
@@ -225,3 +227,10 @@ def test_missing_shard_is_named(tmp_path: Path) -> None:
     shard.unlink()
     with pytest.raises(FileNotFoundError, match=shard.name):
         ModelRunner(model_dir)
+
+
+def test_an_adapter_file_beside_model_safetensors_is_not_read_as_weights(tiny_dir: Path, tmp_path: Path) -> None:
+    model_dir = shutil.copytree(tiny_dir, tmp_path / "model")
+    save_file({"base_model.model.lora_A.weight": torch.ones(2, 2)}, str(model_dir / "adapter_model.safetensors"))
+    assert weight_files(model_dir) == [model_dir / "model.safetensors"]
+    assert ModelRunner(model_dir).config.vocab_size > 0

@@ -129,6 +129,20 @@ class LlamaForCausalLM(nn.Module):
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
 
+    @torch.no_grad()
+    def untie_head_if_it_differs(self, head: torch.Tensor) -> None:
+        """A config that ties the head to the embeddings, in a checkpoint that carries its own head:
+        transformers uses the checkpoint's head, so we do too unless it equals the embeddings."""
+        embeddings = self.embed_tokens.weight
+        if head.shape != embeddings.shape:
+            raise ValueError(f"checkpoint tensor lm_head.weight has shape {tuple(head.shape)}, "
+                             f"the model expects {tuple(embeddings.shape)}")
+        head = head.to(embeddings.dtype)
+        if not torch.equal(head, embeddings):
+            self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False,
+                                     device=embeddings.device, dtype=embeddings.dtype)
+            self.lm_head.weight.copy_(head)
+
     def lay_out_for_cpu(self) -> None:
         """Swap every projection, the logits head included, for a `CpuLinear` (once, after loading).
 
@@ -163,8 +177,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
         """Copy one checkpoint tensor into its (possibly fused) parameter; skip those the model derives."""
-        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
-            return  # recomputed, or tied to the embeddings
+        if name.endswith("rotary_emb.inv_freq"):
+            return  # recomputed
         local = name.removeprefix("model.")
         target, index = local, None
         for hf_prefix, (fused, slice_index) in _FUSED.items():
