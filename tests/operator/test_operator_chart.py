@@ -62,6 +62,8 @@ def test_default_values_match_the_schema(chart: Any) -> None:
     ({"model": {"source": "PersistentVolumeClaim", "claimName": "m", "path": "../etc"}}, "path"),
     ({"tenantSalts": {"secretName": "s", "acme": "inline-salt"}}, "acme"),
     ({"kvCacheMemoryBytes": "2Gi"}, "kvCacheMemoryBytes"),
+    ({"worker": {"gpus": 2}}, "gpus"),  # a worker runs on one device
+    ({"worker": {"gpuResource": "not a resource"}}, "gpuResource"),
 ])
 def test_schema_rejects_bad_values_by_name(chart: Any, values: dict[str, Any], field: str) -> None:
     with pytest.raises(helm.HelmError) as error:
@@ -71,8 +73,10 @@ def test_schema_rejects_bad_values_by_name(chart: Any, values: dict[str, Any], f
 
 @pytest.mark.parametrize(("worker", "message"), [
     ({"gpus": 0, "resources": {"limits": {"nvidia.com/gpu": "1"}}}, "worker.resources.limits.nvidia.com/gpu: set GPUs"),
-    ({"gpus": 2, "resources": {"requests": {"nvidia.com/gpu": "1"}}}, "worker.resources.requests.nvidia.com/gpu: set"),
+    ({"gpus": 1, "resources": {"requests": {"nvidia.com/gpu": "1"}}}, "worker.resources.requests.nvidia.com/gpu: set"),
     ({"gpus": 0, "attentionBackend": "triton"}, "worker.attentionBackend triton needs GPUs"),
+    ({"gpuResource": "gpu"}, "worker.gpuResource: \"gpu\" is not a device resource name"),
+    ({"gpuResource": "kubernetes.io/gpu"}, "worker.gpuResource: \"kubernetes.io/gpu\" is not a device resource name"),
 ])
 def test_chart_refuses_what_the_operator_refuses(chart: Any, worker: dict[str, Any], message: str) -> None:
     spec = {"worker": worker}
@@ -87,6 +91,18 @@ def test_chart_refuses_what_the_operator_refuses(chart: Any, worker: dict[str, A
 def test_a_release_name_that_cannot_name_a_service_is_refused(chart: Any, release: str) -> None:
     with pytest.raises(helm.HelmError, match="release name"):
         chart.render({}, name=release, namespace="serving")
+
+
+def test_values_yaml_would_read_as_numbers_booleans_or_null_stay_strings(chart: Any) -> None:
+    values = {"image": "true", "imagePullPolicy": "Always", "model": {"source": "PersistentVolumeClaim", "claimName": "123"},
+              "operator": {"enabled": True, "image": "null"}}
+    objects = rendered(chart, values)
+    pods = [o["spec"]["template"]["spec"] for o in objects if o["kind"] == "Deployment"]
+    images = {c["name"]: c["image"] for pod in pods for c in pod.get("initContainers", []) + pod["containers"]}
+    assert set(images.values()) == {"true", "null"}
+    claims = [v["persistentVolumeClaim"]["claimName"] for pod in pods for v in pod.get("volumes", [])
+              if "persistentVolumeClaim" in v]
+    assert claims and set(claims) == {"123"}
 
 
 def test_names_yaml_would_read_as_booleans_stay_strings(chart: Any) -> None:

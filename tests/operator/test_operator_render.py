@@ -21,7 +21,7 @@ FULL_SPEC = {
     "model": {"source": "PersistentVolumeClaim", "claimName": "models", "path": "hf/SmolLM2-135M-Instruct/",
               "id": "HuggingFaceTB/SmolLM2-135M-Instruct"},
     "tenantSalts": {"secretName": "tenant-salts", "key": "hmac"},
-    "worker": {"gpus": 2, "dtype": "bfloat16", "attentionBackend": "triton",
+    "worker": {"gpus": 1, "dtype": "bfloat16", "attentionBackend": "triton",
                "resources": {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "32Gi"}}},
     "scheduler": {"resources": {"requests": {"cpu": "500m"}}},
     "tokenizer": {"replicas": 2},
@@ -115,7 +115,7 @@ def test_defaults_use_the_embedded_model_and_leave_worker_choices_to_the_worker(
 def test_worker_gets_gpus_and_resources() -> None:
     engine = containers(by_name(render(OWNER, parse_spec(FULL_SPEC)))["Deployment", "chat-engine"])
     assert engine["worker"]["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"},
-                                             "limits": {"memory": "32Gi", "nvidia.com/gpu": "2"}}
+                                             "limits": {"memory": "32Gi", "nvidia.com/gpu": "1"}}
     assert engine["scheduler"]["resources"] == {"requests": {"cpu": "500m"}}
     cpu_only = containers(by_name(render(OWNER, parse_spec({"worker": {"gpus": 0}})))["Deployment", "chat-engine"])
     assert "resources" not in cpu_only["worker"] and "--device" not in cpu_only["worker"]["args"]

@@ -76,9 +76,9 @@ def test_empty_spec_gets_every_default() -> None:
 
 
 def test_defaults_fill_gaps_but_keep_given_values() -> None:
-    spec = parse_spec({"blockSize": 32, "worker": {"gpus": 2}, "kvCacheMemory": "8Gi",
+    spec = parse_spec({"blockSize": 32, "worker": {"gpus": 0}, "kvCacheMemory": "8Gi",
                        "tenantSalts": {"secretName": "tenant-salts"}, "otel": {"endpoint": "http://otel:4317"}})
-    assert spec.block_size == 32 and spec.worker.gpus == 2 and spec.worker.gpu_resource == "nvidia.com/gpu"
+    assert spec.block_size == 32 and spec.worker.gpus == 0 and spec.worker.gpu_resource == "nvidia.com/gpu"
     assert spec.kv_cache_memory_bytes == 8 * 2**30
     assert (spec.tenant_salts.secret_name, spec.tenant_salts.key) == ("tenant-salts", "key")
     assert spec.otel_endpoint == "http://otel:4317"
@@ -120,8 +120,9 @@ def test_defaults_fill_gaps_but_keep_given_values() -> None:
     pytest.param({"kvCacheMemory": "0Gi"}, "spec.kvCacheMemory: '0Gi' does not match", id="kv-zero-quantity"),
     pytest.param({"scheduler": {"resources": {"limits": {"BAD NAME": "1"}}}},
                  "spec.scheduler.resources.limits.BAD NAME: not a container resource", id="resource-name"),
-    pytest.param({"worker": {"gpus": 2, "resources": {"limits": {"nvidia.com/gpu": 4}}}},
+    pytest.param({"worker": {"gpus": 1, "resources": {"limits": {"nvidia.com/gpu": 4}}}},
                  "spec.worker.resources.limits.nvidia.com/gpu: set GPUs with spec.worker.gpus", id="gpus-twice"),
+    pytest.param({"worker": {"gpus": 2}}, "spec.worker.gpus: 2 is greater than the maximum of 1", id="gpus-beyond-one"),
     pytest.param({"worker": {"resources": {"requests": {"nvidia.com/gpu": 1}}}},
                  "spec.worker.resources.requests.nvidia.com/gpu: set GPUs with spec.worker.gpus",
                  id="gpu-without-gpus"),

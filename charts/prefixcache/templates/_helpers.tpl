@@ -42,8 +42,8 @@ OTEL_LOGS_EXPORTER: none
      readyService (the gRPC health service readiness checks, instead of the process's). */}}
 {{- define "prefixcache.container" -}}
 - name: {{ .name }}
-  image: {{ .root.Values.image }}
-  imagePullPolicy: {{ .root.Values.imagePullPolicy }}
+  image: {{ .root.Values.image | quote }}
+  imagePullPolicy: {{ .root.Values.imagePullPolicy | quote }}
   args: {{ toJson .args }}
   {{- with .restartPolicy }}
   restartPolicy: {{ . }}
