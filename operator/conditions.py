@@ -3,7 +3,8 @@
 
 Types:
     Reconciled  the children match the current spec (False, reason InvalidSpec/NotOwned/Rejected, when they can't)
-    Ready       the Engine API can serve: every engine replica and a tokenizer are available
+    Ready       the Engine API serves the current spec: every engine replica is updated and available, and a
+                tokenizer is (False, reason Progressing/TokenizerUnavailable/RolloutFailed/ScaledToZero, until then)
 """
 from __future__ import annotations
 
@@ -54,15 +55,47 @@ def find_condition(existing: Sequence[Mapping[str, Any]] | None, type_: str) -> 
     return None
 
 
-def readiness(desired_replicas: int, engine_available: int | None, tokenizer_available: int | None) -> Condition:
-    """Ready from what the child Deployments report."""
-    if engine_available is None or tokenizer_available is None:
+@dataclass(frozen=True, slots=True)
+class Rollout:
+    """Where a Deployment's rollout stands, from its status (absent counts are 0, as the API omits them)."""
+
+    replicas: int  # spec.replicas
+    updated: int  # replicas running the latest pod template
+    available: int  # replicas available, updated or not
+    observed: bool  # the Deployment controller has seen the latest spec
+    failure: str | None = None  # why the rollout stopped (Progressing=False, ProgressDeadlineExceeded)
+
+    @classmethod
+    def from_deployment(cls, deployment: Mapping[str, Any]) -> Rollout:
+        status = deployment.get("status") or {}
+        generation = (deployment.get("metadata") or {}).get("generation")
+        stalled = next((c for c in status.get("conditions") or () if c.get("type") == "Progressing"
+                        and c.get("status") == "False" and c.get("reason") == "ProgressDeadlineExceeded"), None)
+        return cls(replicas=int((deployment.get("spec") or {}).get("replicas", 1)),
+                   updated=int(status.get("updatedReplicas") or 0),
+                   available=int(status.get("availableReplicas") or 0),
+                   observed=generation is None or int(status.get("observedGeneration") or 0) >= generation,
+                   failure=None if stalled is None else str(stalled.get("message") or stalled["reason"]))
+
+
+def readiness(desired_replicas: int, engine: Rollout | None, tokenizer: Rollout | None) -> Condition:
+    """Ready from what the child Deployments report: True once every engine replica runs the current
+    spec and is available, and a tokenizer is."""
+    if engine is None or tokenizer is None:
         return Condition(READY, False, "Progressing", "waiting for the Deployments to be created")
     if desired_replicas == 0:
         return Condition(READY, False, "ScaledToZero", "spec.replicas is 0")
-    if tokenizer_available == 0:
+    for role, state in (("engine", engine), ("tokenizer", tokenizer)):
+        if state.failure is not None:
+            return Condition(READY, False, "RolloutFailed", f"the {role} Deployment's rollout stopped: {state.failure}")
+    if tokenizer.available == 0:
         return Condition(READY, False, "TokenizerUnavailable", "no tokenizer replica is available")
-    if engine_available < desired_replicas:
+    for role, state, wanted in (("engine", engine, desired_replicas), ("tokenizer", tokenizer, tokenizer.replicas)):
+        if not state.observed or state.updated < wanted:
+            return Condition(READY, False, "Progressing",
+                             f"rolling out: {state.updated if state.observed else 0} of {wanted} {role} replicas "
+                             "run the current spec (the others still serve the previous one)")
+    if engine.available < desired_replicas:
         return Condition(READY, False, "Progressing",
-                         f"{engine_available} of {desired_replicas} engine replicas available")
-    return Condition(READY, True, "Available", f"{engine_available} engine replicas available")
+                         f"{engine.available} of {desired_replicas} engine replicas available")
+    return Condition(READY, True, "Available", f"{engine.available} engine replicas available")

@@ -83,31 +83,56 @@ def reconcile(body: kopf.Body, spec: kopf.Spec, status: kopf.Status, meta: kopf.
                 parsed.hash_algorithm)
 
 
-@kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGED_BY})
-def child_deployment_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """Ready follows the child Deployments: recompute it whenever one of them changes."""
+_MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}
+RESYNC_INTERVAL_S = 60.0
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=_MANAGED)
+@kopf.on.event("", "v1", "services", labels=_MANAGED)
+@kopf.on.event("", "v1", "configmaps", labels=_MANAGED)
+def child_changed(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    """A child was changed, deleted or moved on: put back what drifted from the spec (a deleted
+    Service, a hand-scaled Deployment), and let Ready follow the Deployments."""
     owner_ref = next((ref for ref in body.metadata.get("ownerReferences") or [] if ref.get("kind") == KIND), None)
-    if owner_ref is None:
-        return
-    namespace = body.metadata["namespace"]
-    parent = kube.read_custom(memo.api, owner_ref["name"], namespace)
-    if parent is None or parent["metadata"].get("uid") != owner_ref.get("uid"):
-        return  # the owner is gone (or is a new object with the same name): garbage collection follows
+    if owner_ref is not None:
+        _restore_and_report(memo.api, owner_ref["name"], body.metadata["namespace"], owner_ref.get("uid"), logger)
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_INTERVAL_S, initial_delay=RESYNC_INTERVAL_S)
+def resync(meta: kopf.Meta, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    """The same, now and then, for what no child event tells: a Deployment whose status changed
+    while the spec was being reconciled, or an event the watch missed."""
+    _restore_and_report(memo.api, meta["name"], meta["namespace"], meta.get("uid"), logger)
+
+
+def _restore_and_report(api: client.ApiClient, name: str, namespace: str, uid: str | None,
+                        logger: logging.Logger) -> None:
+    parent = kube.read_custom(api, name, namespace)
+    if parent is None or parent["metadata"].get("uid") != uid or parent["metadata"].get("deletionTimestamp"):
+        return  # the owner is gone, going, or a new object with the same name: garbage collection follows
     status = parent.get("status") or {}
     conditions = status.get("conditions") or []
-    if condition_status(conditions, RECONCILED) != "True":
-        return  # nothing to report while the spec itself cannot be applied
+    if condition_status(conditions, RECONCILED) != "True" \
+            or status.get("observedGeneration") != parent["metadata"].get("generation"):
+        return  # the spec cannot be applied, or a newer one is being reconciled: that handler reports
     owner = Owner.from_body(parent)
-    engine_available, condition = _readiness(memo.api, owner, int(status.get("replicas") or 0))
+    try:
+        restored = kube.apply(api, render(owner, parse_spec(parent["spec"])), owner.uid)
+    except (SpecError, kube.NotOwnedError, kube.RejectedError) as error:
+        logger.warning("cannot restore the children of %s/%s: %s", namespace, name, error)
+        return
+    if restored:
+        logger.info("restored what drifted from the spec: %s", ", ".join(restored))
+    engine_available, condition = _readiness(api, owner, int(status.get("replicas") or 0))
     if find_condition(conditions, READY) == condition and status.get("availableReplicas") == engine_available:
         return  # unchanged: no write, no new resourceVersion
-    kube.patch_custom_status(memo.api, owner.name, namespace, {
+    kube.patch_custom_status(api, name, namespace, {
         "availableReplicas": engine_available,
         "conditions": merge_condition(conditions, condition, parent["metadata"].get("generation")),
     })
 
 
 def _readiness(api: client.ApiClient, owner: Owner, desired_replicas: int) -> tuple[int, Condition]:
-    engine = kube.available_replicas(api, owner.engine_deployment, owner.namespace)
-    tokenizer = kube.available_replicas(api, owner.tokenizer_deployment, owner.namespace)
-    return engine or 0, readiness(desired_replicas, engine, tokenizer)
+    engine = kube.rollout(api, owner.engine_deployment, owner.namespace)
+    tokenizer = kube.rollout(api, owner.tokenizer_deployment, owner.namespace)
+    return engine.available if engine else 0, readiness(desired_replicas, engine, tokenizer)

@@ -14,6 +14,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from prefixcache.operator.conditions import Rollout
 from prefixcache.operator.schema import GROUP, PLURAL, VERSION
 
 MERGE_PATCH = "application/merge-patch+json"
@@ -55,9 +56,11 @@ def _read(api_client: client.ApiClient, kind: str, name: str, namespace: str) ->
     return json.loads(found.data)  # a plain dict, as the server sent it
 
 
-def apply(api_client: client.ApiClient, objects: Iterable[Mapping[str, Any]], owner_uid: str) -> None:
-    """Create or update every object, in order. Raises NotOwnedError, or RejectedError with the API
-    server's message (the objects before the refused one stay applied)."""
+def apply(api_client: client.ApiClient, objects: Iterable[Mapping[str, Any]], owner_uid: str) -> list[str]:
+    """Create every object that is missing and patch every one that drifted from its rendering, in
+    order; return them as "Kind name". Raises NotOwnedError, or RejectedError with the API server's
+    message (the objects before the refused one stay applied)."""
+    changed = []
     for obj in objects:
         kind, metadata = obj["kind"], obj["metadata"]
         name, namespace = metadata["name"], metadata["namespace"]
@@ -67,6 +70,8 @@ def apply(api_client: client.ApiClient, objects: Iterable[Mapping[str, Any]], ow
             if not any(ref.get("uid") == owner_uid for ref in owners):
                 raise NotOwnedError(f"{kind} {namespace}/{name} already exists and is not managed by this "
                                     f"PrefixCacheDeployment; rename one of them")
+        if current is not None and not _drifted(current, obj):
+            continue
         try:
             if current is None:
                 _call(api_client, kind, "create", namespace, dict(obj))
@@ -77,6 +82,23 @@ def apply(api_client: client.ApiClient, objects: Iterable[Mapping[str, Any]], ow
             if error.status == 422:
                 raise RejectedError(_status_message(error)) from error
             raise
+        changed.append(f"{kind} {name}")
+    return changed
+
+
+def _drifted(current: Any, desired: Any) -> bool:
+    """Whether a merge patch of `desired` would change `current`: fields the API server added
+    (defaults, status, bookkeeping) do not count; a rendered field that differs, or a list whose
+    length or any element differs, does."""
+    if isinstance(desired, Mapping):
+        if not isinstance(current, Mapping):
+            return True
+        return any(_drifted(current.get(key), value) for key, value in desired.items())
+    if isinstance(desired, list):
+        if not isinstance(current, list) or len(current) != len(desired):
+            return True
+        return any(_drifted(have, want) for have, want in zip(current, desired))
+    return current != desired
 
 
 def _status_message(error: ApiException) -> str:
@@ -96,12 +118,10 @@ def _merge_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> dict
     return patch
 
 
-def available_replicas(api_client: client.ApiClient, name: str, namespace: str) -> int | None:
-    """A Deployment's available replicas; None when it does not exist."""
+def rollout(api_client: client.ApiClient, name: str, namespace: str) -> Rollout | None:
+    """A Deployment's rollout; None when it does not exist."""
     deployment = _read(api_client, "Deployment", name, namespace)
-    if deployment is None:
-        return None
-    return int((deployment.get("status") or {}).get("availableReplicas") or 0)
+    return None if deployment is None else Rollout.from_deployment(deployment)
 
 
 def read_custom(api_client: client.ApiClient, name: str, namespace: str) -> dict[str, Any] | None:

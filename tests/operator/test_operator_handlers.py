@@ -66,6 +66,15 @@ def deployment(api: client.ApiClient, name: str) -> dict[str, Any] | None:
     return json.loads(response.data)
 
 
+def set_rollout(api: client.ApiClient, name: str, *, updated: int, available: int,
+                conditions: list[dict[str, str]] | None = None) -> None:
+    """Play the Deployment controller: report how far a Deployment's rollout is."""
+    status: dict[str, Any] = {"updatedReplicas": updated, "availableReplicas": available}
+    if conditions is not None:
+        status["conditions"] = conditions
+    client.AppsV1Api(api).patch_namespaced_deployment_status(name, NAMESPACE, {"status": status})
+
+
 def args_of(deployment_body: dict[str, Any], container: str) -> list[str]:
     (found,) = [c for c in deployment_body["spec"]["template"]["spec"]["containers"] if c["name"] == container]
     return found["args"]
@@ -88,15 +97,51 @@ def test_create_renders_the_stack_and_reports_readiness(operator: Any, api: clie
 
     # Play the Deployment controller: the children become available, and Ready follows.
     apps = client.AppsV1Api(api)
-    apps.patch_namespaced_deployment_status("alpha-tokenizer", NAMESPACE, {"status": {"availableReplicas": 1}})
-    apps.patch_namespaced_deployment_status("alpha-engine", NAMESPACE, {"status": {"availableReplicas": 1}})
+    set_rollout(api, "alpha-tokenizer", updated=1, available=1)
+    set_rollout(api, "alpha-engine", updated=2, available=1)
     waiting = wait_for(lambda: (c := condition(api, "alpha", "Ready"))
                        and c["message"] == "1 of 2 engine replicas available" and c, "1 of 2 replicas available")
     assert (waiting["status"], waiting["reason"]) == ("False", "Progressing")
-    apps.patch_namespaced_deployment_status("alpha-engine", NAMESPACE, {"status": {"availableReplicas": 2}})
+    set_rollout(api, "alpha-engine", updated=2, available=2)
     ready = wait_for(lambda: (c := condition(api, "alpha", "Ready")) and c["status"] == "True" and c, "Ready=True")
     assert ready["reason"] == "Available"
     assert get(api, "alpha")["status"]["availableReplicas"] == 2
+
+
+def test_ready_waits_for_a_rollout_and_names_one_that_stopped(operator: Any, api: client.ApiClient) -> None:
+    create(api, "zeta", {"replicas": 2}, uid="uid-zeta")
+    wait_for(lambda: (c := condition(api, "zeta", "Reconciled")) and c["status"] == "True", "Reconciled")
+    set_rollout(api, "zeta-tokenizer", updated=1, available=1)
+    set_rollout(api, "zeta-engine", updated=2, available=2)
+    wait_for(lambda: (c := condition(api, "zeta", "Ready")) and c["status"] == "True", "Ready=True")
+
+    # A new pod template: the old replicas still serve, but the spec is not rolled out yet.
+    set_rollout(api, "zeta-engine", updated=1, available=2)
+    rolling = wait_for(lambda: (c := condition(api, "zeta", "Ready")) and c["status"] == "False" and c, "Ready=False")
+    assert rolling["reason"] == "Progressing" and rolling["message"].startswith("rolling out: 1 of 2 engine replicas")
+
+    stalled = {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+               "message": 'ReplicaSet "zeta-engine-7d9" has timed out progressing.'}
+    set_rollout(api, "zeta-engine", updated=1, available=1, conditions=[stalled])
+    failed = wait_for(lambda: (c := condition(api, "zeta", "Ready")) and c["reason"] == "RolloutFailed" and c,
+                      "Ready reason RolloutFailed")
+    assert failed["status"] == "False" and stalled["message"] in failed["message"]
+
+
+def test_children_that_drift_from_the_spec_are_put_back(operator: Any, api: client.ApiClient) -> None:
+    create(api, "eta", {"replicas": 2, "tokenizer": {"replicas": 1}}, uid="uid-eta")
+    wait_for(lambda: deployment(api, "eta-engine"), "the engine Deployment")
+    wait_for(lambda: (c := condition(api, "eta", "Reconciled")) and c["status"] == "True", "Reconciled")
+    core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
+
+    core.delete_namespaced_service("eta", NAMESPACE)
+    wait_for(lambda: "eta" in {s.metadata.name for s in core.list_namespaced_service(NAMESPACE).items},
+             "the deleted engine Service to be recreated")
+    apps.patch_namespaced_deployment("eta-tokenizer", NAMESPACE, {"spec": {"replicas": 5}})  # scaled by hand
+    wait_for(lambda: deployment(api, "eta-tokenizer")["spec"]["replicas"] == 1, "the spec's tokenizer replicas")
+    apps.delete_namespaced_deployment("eta-engine", NAMESPACE)
+    engine = wait_for(lambda: deployment(api, "eta-engine"), "the deleted engine Deployment to be recreated")
+    assert engine["spec"]["replicas"] == 2 and engine["metadata"]["ownerReferences"][0]["uid"] == "uid-eta"
 
 
 def test_update_rolls_the_new_spec_out(operator: Any, api: client.ApiClient) -> None:
