@@ -96,7 +96,6 @@ def test_create_renders_the_stack_and_reports_readiness(operator: Any, api: clie
     assert condition(api, "alpha", "Ready")["status"] == "False"
 
     # Play the Deployment controller: the children become available, and Ready follows.
-    apps = client.AppsV1Api(api)
     set_rollout(api, "alpha-tokenizer", updated=1, available=1)
     set_rollout(api, "alpha-engine", updated=2, available=1)
     waiting = wait_for(lambda: (c := condition(api, "alpha", "Ready"))
