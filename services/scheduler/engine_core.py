@@ -57,6 +57,7 @@ class WorkerInfo:
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = ""
     supports_multimodal: bool = False
+    tokenizer_id: str = ""  # of the model's tokenizer.json; "" when unknown
 
 
 class WorkerUnavailable(Exception):

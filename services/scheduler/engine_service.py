@@ -42,7 +42,7 @@ from prefixcache.services.scheduler.kv_cache import CacheAccount, EvictionBatch
 from prefixcache.services.scheduler.request import FINISH_STOP
 from prefixcache.services.scheduler.stop_strings import StopStringMatcher
 from prefixcache.services.scheduler.tenancy import TenantSalts
-from prefixcache.services.scheduler.tokenizer_client import StreamingDetokenizer, TokenizerClient
+from prefixcache.services.scheduler.tokenizer_client import StreamingDetokenizer, TokenizerClient, TokenizerMismatch
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Engine"].full_name
 FINISH_REASONS = {
@@ -154,7 +154,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {error.message}")
         except QueueFull as error:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-        except EngineUnavailable as error:
+        except (EngineUnavailable, TokenizerMismatch) as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         except grpc.RpcError as error:  # from the tokenizer service
             code, details = status_of(error)
@@ -163,12 +163,13 @@ class EngineServicer(pb_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"tokenizer: {code.name}: {details}")
         span.set_attribute("gen_ai.usage.input_tokens", len(prompt_ids))
 
-        stream = _Stream(request_id, self._engine, self._tokenizer.detokenizer(prompt_ids), list(request.sampling.stop))
+        detokenizer = self._tokenizer.detokenizer(prompt_ids, self._expected_tokenizer_id())
+        stream = _Stream(request_id, self._engine, detokenizer, list(request.sampling.stop))
         self._request_spans.add(request_id, span)
         try:
             async for response in stream.responses(outputs):
                 yield response
-        except EngineUnavailable as error:
+        except (EngineUnavailable, TokenizerMismatch) as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         except grpc.RpcError as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"tokenizer: {status_of(error)[1]}")
@@ -202,10 +203,14 @@ class EngineServicer(pb_grpc.EngineServicer):
         if kind == "text":
             if not request.text:
                 raise InvalidRequest("text", "the prompt is empty")
-            return await self._tokenizer.tokenize_text(request.text)
+            return await self._tokenizer.tokenize_text(request.text, self._expected_tokenizer_id())
         if kind == "chat":
-            return await self._tokenizer.tokenize_chat(request.chat)
+            return await self._tokenizer.tokenize_chat(request.chat, self._expected_tokenizer_id())
         raise InvalidRequest("prompt", "set one of text, token_ids or chat")
+
+    def _expected_tokenizer_id(self) -> str:
+        info = self._engine.worker_info
+        return info.tokenizer_id if info is not None else ""
 
     def _engine_request(self, request_id: str, request: pb.GenerateRequest, prompt_ids: list[int]) -> EngineRequest:
         options = request.sampling

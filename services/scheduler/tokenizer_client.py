@@ -9,13 +9,29 @@ from prefixcache.protos.common.v1 import chat_pb2
 from prefixcache.protos.tokenizer.v1 import tokenizer_pb2 as pb
 from prefixcache.protos.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
 from prefixcache.services.common.grpc_client import open_channel
+from prefixcache.services.common.tokenizer_identity import same_tokenizer
 
 # Prompt ids sent as decoding context with a stream's first message (leading spaces depend on them).
 DETOKENIZE_CONTEXT_IDS = 8
 
 
+class TokenizerMismatch(Exception):
+    """The tokenizer service serves another tokenizer than the worker's model was made with."""
+
+    def __init__(self, served: str, expected: str):
+        super().__init__(f"the tokenizer service serves tokenizer {served}, but the worker's model has {expected} "
+                         "(a model change still rolling out, or a tokenizer address meant for another model)")
+
+
+def _check(served: str, expected: str) -> None:
+    if not same_tokenizer(served, expected):
+        raise TokenizerMismatch(served, expected)
+
+
 class TokenizerClient:
-    """Calls raise `grpc.RpcError` unchanged: the servicer passes the tokenizer's status on."""
+    """Calls raise `grpc.RpcError` unchanged: the servicer passes the tokenizer's status on. Each
+    call takes the tokenizer id the worker's model expects and raises TokenizerMismatch if the
+    reply came from another tokenizer: behind one Service, replicas of two models may answer."""
 
     def __init__(self, target: str, timeout_s: float = 30.0):
         self.target = target
@@ -23,16 +39,19 @@ class TokenizerClient:
         self._stub = pb_grpc.TokenizerStub(self._channel)
         self._timeout_s = timeout_s
 
-    async def tokenize_text(self, text: str) -> list[int]:
-        reply = await self._stub.Tokenize(pb.TokenizeRequest(text=text), timeout=self._timeout_s)
+    async def tokenize_text(self, text: str, expected_tokenizer_id: str) -> list[int]:
+        return await self._tokenize(pb.TokenizeRequest(text=text), expected_tokenizer_id)
+
+    async def tokenize_chat(self, chat: chat_pb2.ChatConversation, expected_tokenizer_id: str) -> list[int]:
+        return await self._tokenize(pb.TokenizeRequest(chat=chat), expected_tokenizer_id)
+
+    async def _tokenize(self, request: pb.TokenizeRequest, expected_tokenizer_id: str) -> list[int]:
+        reply = await self._stub.Tokenize(request, timeout=self._timeout_s)
+        _check(reply.tokenizer_id, expected_tokenizer_id)
         return list(reply.token_ids)
 
-    async def tokenize_chat(self, chat: chat_pb2.ChatConversation) -> list[int]:
-        reply = await self._stub.Tokenize(pb.TokenizeRequest(chat=chat), timeout=self._timeout_s)
-        return list(reply.token_ids)
-
-    def detokenizer(self, prompt_ids: Sequence[int]) -> StreamingDetokenizer:
-        return StreamingDetokenizer(self._stub, list(prompt_ids[-DETOKENIZE_CONTEXT_IDS:]))
+    def detokenizer(self, prompt_ids: Sequence[int], expected_tokenizer_id: str) -> StreamingDetokenizer:
+        return StreamingDetokenizer(self._stub, list(prompt_ids[-DETOKENIZE_CONTEXT_IDS:]), expected_tokenizer_id)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -41,9 +60,10 @@ class TokenizerClient:
 class StreamingDetokenizer:
     """One DetokenizeStream call per generation: push the new ids of each output, get their text."""
 
-    def __init__(self, stub: pb_grpc.TokenizerStub, prompt_context: list[int]):
+    def __init__(self, stub: pb_grpc.TokenizerStub, prompt_context: list[int], expected_tokenizer_id: str):
         self._stub = stub
         self._context = prompt_context
+        self._expected_tokenizer_id = expected_tokenizer_id
         self._call: aio.StreamStreamCall | None = None
 
     async def push(self, token_ids: Sequence[int], last: bool = False) -> str:
@@ -57,6 +77,7 @@ class StreamingDetokenizer:
         else:
             await self._call.write(pb.DetokenizeStreamRequest(token_ids=token_ids, last=last))
         reply = await self._call.read()
+        _check(reply.tokenizer_id, self._expected_tokenizer_id)
         return reply.text
 
     async def close(self) -> None:

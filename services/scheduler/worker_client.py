@@ -65,6 +65,7 @@ class GrpcStepExecutor:
             num_kv_blocks=reply.num_blocks,
             eos_token_ids=tuple(reply.model.eos_token_ids),
             dtype=reply.model.dtype,
+            tokenizer_id=reply.model.tokenizer_id,
         )
 
     async def execute(self, step: SchedulerStep) -> StepOutput:

@@ -39,7 +39,7 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         else:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "input: set text or chat")
-        return pb.TokenizeResponse(token_ids=ids)
+        return pb.TokenizeResponse(token_ids=ids, tokenizer_id=self._tokenizer.tokenizer_id)
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context: aio.ServicerContext) -> pb.DetokenizeResponse:
         try:
@@ -61,7 +61,7 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
                 text = detokenizer.push(request.token_ids, last=request.last)
             except ValueError as error:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-            yield pb.DetokenizeStreamResponse(text=text)
+            yield pb.DetokenizeStreamResponse(text=text, tokenizer_id=self._tokenizer.tokenizer_id)
 
     async def GetInfo(self, request: pb.GetInfoRequest, context: aio.ServicerContext) -> pb.TokenizerInfo:
         return pb.TokenizerInfo(
@@ -69,6 +69,7 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
             bos_token_id=self._tokenizer.bos_token_id,
             eos_token_ids=self._tokenizer.eos_token_ids,
             has_chat_template=self._tokenizer.has_chat_template,
+            tokenizer_id=self._tokenizer.tokenizer_id,
         )
 
 

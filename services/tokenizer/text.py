@@ -14,6 +14,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from prefixcache.services.common.quoting import quoted
+from prefixcache.services.common.tokenizer_identity import tokenizer_id
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
@@ -37,6 +38,7 @@ class TextTokenizer:
         if not tokenizer_file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
         self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        self.tokenizer_id = tokenizer_id(model_dir)
         config_file = model_dir / "tokenizer_config.json"
         config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         self.bos_token = _token_text(config.get("bos_token"))

@@ -32,6 +32,7 @@ from prefixcache.services.common.step import (
     SchedulerStep,
     StepOutput,
 )
+from prefixcache.services.common.tokenizer_identity import tokenizer_id
 from prefixcache.services.worker.kv_memory import free_device_memory
 from prefixcache.services.worker.loader import load_model, parse_dtype
 from prefixcache.services.worker.sampler import make_generator, sample, validate_sampling
@@ -49,6 +50,7 @@ class ModelDescription:
     head_dim: int
     eos_token_ids: tuple[int, ...]
     bytes_per_block_token: int  # KV cache bytes per token slot, all layers, keys and values
+    tokenizer_id: str = ""  # of the model directory's tokenizer.json ("" if it has none)
 
 
 @dataclass
@@ -84,6 +86,7 @@ class ModelRunner:
         self.model = loaded.model
         self.config = loaded.config
         self.model_id = loaded.model_id
+        self.tokenizer_id = tokenizer_id(model_dir)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.block_size = 0
@@ -102,6 +105,7 @@ class ModelRunner:
             head_dim=config.head_dim,
             eos_token_ids=config.eos_token_ids,
             bytes_per_block_token=self._kv_bytes_per_token(),
+            tokenizer_id=self.tokenizer_id,
         )
 
     def _kv_bytes_per_token(self) -> int:

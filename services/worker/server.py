@@ -40,6 +40,7 @@ def describe_to_proto(description: ModelDescription, kv_cache_memory: int) -> pb
         eos_token_ids=description.eos_token_ids,
         bytes_per_block_token=description.bytes_per_block_token,
         kv_cache_tokens=kv_cache_memory // description.bytes_per_block_token,
+        tokenizer_id=description.tokenizer_id,
     )
 
 

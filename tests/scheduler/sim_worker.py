@@ -63,8 +63,10 @@ class SimulatedWorker:
         eos_token_ids: tuple[int, ...] = (),
         model_id: str = "sim-model",
         step_delay_s: float = 0.0,
+        tokenizer_id: str = "",
     ) -> None:
         self.info_template = (model_id, vocab_size, max_model_len, num_kv_blocks, eos_token_ids)
+        self.tokenizer_id = tokenizer_id
         self.avoid = frozenset(eos_token_ids)
         self.step_delay_s = step_delay_s
         self.block_size = 0
@@ -92,7 +94,7 @@ class SimulatedWorker:
         self.kv_memory.clear()
         self.initializations += 1
         self.up = True
-        return WorkerInfo(model_id, vocab_size, max_model_len, num_kv_blocks, eos)
+        return WorkerInfo(model_id, vocab_size, max_model_len, num_kv_blocks, eos, tokenizer_id=self.tokenizer_id)
 
     async def execute(self, step: SchedulerStep) -> StepOutput:
         await asyncio.sleep(self.step_delay_s)

@@ -35,15 +35,15 @@ def tokenizer() -> TextTokenizer:
 
 
 @contextlib.asynccontextmanager
-async def engine_api(tokenizer: TextTokenizer, num_kv_blocks: int = 256,
-                     max_model_len: int = 4096) -> AsyncIterator[tuple[str, EngineCore]]:
+async def engine_api(tokenizer: TextTokenizer, num_kv_blocks: int = 256, max_model_len: int = 4096,
+                     worker_tokenizer_id: str = "") -> AsyncIterator[tuple[str, EngineCore]]:
     """(Engine API address, its EngineCore): a tokenizer server and an Engine server on loopback."""
     tokenizer_server, engine_server = aio.server(), aio.server()
     tokenizer_servicer(tokenizer).add_to_server(tokenizer_server)
     tokenizer_port = tokenizer_server.add_insecure_port("127.0.0.1:0")
     await tokenizer_server.start()
     worker = SimulatedWorker(num_kv_blocks=num_kv_blocks, vocab_size=tokenizer.vocab_size, eos_token_ids=SPECIAL_IDS,
-                             max_model_len=max_model_len)
+                             max_model_len=max_model_len, tokenizer_id=worker_tokenizer_id)
     engine = EngineCore(SchedulerConfig(block_size=4, max_num_batched_tokens=64, max_model_len=max_model_len), worker)
     await engine.start()
     tokenizer_client = TokenizerClient(f"127.0.0.1:{tokenizer_port}")
@@ -163,5 +163,26 @@ def test_errors_quote_a_long_value_only_in_part(tokenizer: TextTokenizer) -> Non
                 assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 details = refused.value.details()
                 assert details.startswith(f"{field}: ") and "(20000 characters)" in details and len(details) < 300
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+@pytest.mark.parametrize("prompt", [{"text": "Hello there"}, {"token_ids": PROMPT}], ids=["text", "token_ids"])
+def test_a_tokenizer_of_another_model_is_refused_before_its_ids_reach_the_worker(tokenizer: TextTokenizer,
+                                                                                 prompt: dict) -> None:
+    """Text is tokenized, token ids only detokenized: either way the tokenizer's id is checked."""
+    other_model = "sha256:00000000000000ff"
+
+    async def main() -> None:
+        async with engine_api(tokenizer, worker_tokenizer_id=other_model) as (target, engine), \
+                EngineClient(target) as client:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await client.complete(build_request(**prompt, max_tokens=4))
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert tokenizer.tokenizer_id in refused.value.details() and other_model in refused.value.details()
+            assert engine.cache_stats().used_blocks == 0
+        async with engine_api(tokenizer, worker_tokenizer_id=tokenizer.tokenizer_id) as (target, _engine), \
+                EngineClient(target) as client:
+            assert len((await client.complete(build_request(**prompt, max_tokens=4))).token_ids) == 4
 
     asyncio.run(asyncio.wait_for(main(), 60))

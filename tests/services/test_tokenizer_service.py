@@ -11,6 +11,7 @@ from grpc import aio
 from prefixcache.protos.common.v1 import chat_pb2
 from prefixcache.protos.tokenizer.v1 import tokenizer_pb2 as pb
 from prefixcache.protos.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
+from prefixcache.services.common.tokenizer_identity import tokenizer_id
 from prefixcache.services.tokenizer.server import servicer
 from prefixcache.services.tokenizer.text import TextTokenizer
 
@@ -184,11 +185,13 @@ def test_an_out_of_vocabulary_prefix_id_is_named_as_such(tokenizer: TextTokenize
     run(tokenizer, body)
 
 
-def test_info_describes_the_vocabulary(tokenizer: TextTokenizer) -> None:
+def test_info_describes_the_vocabulary(tokenizer: TextTokenizer, model_dir: Path) -> None:
     async def body(stub: pb_grpc.TokenizerStub) -> None:
         info = await stub.GetInfo(pb.GetInfoRequest())
         assert info.vocab_size == 49152
         assert list(info.eos_token_ids) == [2] and info.bos_token_id == 1
         assert info.has_chat_template
+        assert info.tokenizer_id == tokenizer_id(model_dir) and info.tokenizer_id.startswith("sha256:")
+        assert (await stub.Tokenize(pb.TokenizeRequest(text="hi"))).tokenizer_id == info.tokenizer_id
 
     run(tokenizer, body)

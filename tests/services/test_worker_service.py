@@ -12,6 +12,7 @@ from prefixcache.protos.worker.v1 import worker_pb2 as pb
 from prefixcache.protos.worker.v1 import worker_pb2_grpc as pb_grpc
 from prefixcache.services.common.step import CachedRequestData, NewRequestData, SchedulerStep
 from prefixcache.services.common.step_codec import output_from_proto, step_to_proto
+from prefixcache.services.common.tokenizer_identity import tokenizer_id
 from prefixcache.services.worker.server import WorkerServicer
 
 pytestmark = pytest.mark.slow
@@ -48,10 +49,11 @@ def serve(runner, body, kv_memory: int = 32 * 2**20) -> None:
     asyncio.run(main())
 
 
-def test_greedy_generation_through_steps(runner) -> None:
+def test_greedy_generation_through_steps(runner, model_dir: Path) -> None:
     async def body(stub: pb_grpc.WorkerStub) -> None:
         description = await stub.Describe(pb.DescribeRequest())
         assert description.vocab_size == 49152 and list(description.eos_token_ids) == [2]
+        assert description.tokenizer_id == tokenizer_id(model_dir)  # what the tokenizer service serves
         init = await stub.InitializeCache(pb.InitializeCacheRequest(block_size=BLOCK))
         expected_blocks = 32 * 2**20 // (description.bytes_per_block_token * BLOCK)
         assert init.num_blocks == expected_blocks and init.model.model_id == description.model_id
