@@ -74,6 +74,23 @@ async def run_server(
     a service's status yourself while serving; this sets every service's on start and stop.
     """
     configure_tracing(service_name)
+    try:
+        return await _serve(service_name, address, servicers, grace_s, drain_idle_s, startup, shutdown, ready, health)
+    finally:
+        shutdown_tracing()  # spans of a failed start are worth having too
+
+
+async def _serve(
+    service_name: str,
+    address: str,
+    servicers: list[Servicer],
+    grace_s: float,
+    drain_idle_s: float,
+    startup: Callable[[], Awaitable[None]] | None,
+    shutdown: Callable[[float], Awaitable[None]] | None,
+    ready: Callable[[int], None] | None,
+    health: health_aio.HealthServicer | None,
+) -> int:
     activity = CallActivity() if drain_idle_s > 0 else None
     interceptors = [MalformedRequestInterceptor(), *([activity] if activity else []), ServerTracingInterceptor()]
     server = aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
@@ -125,7 +142,6 @@ async def run_server(
     if shutdown is not None:
         await shutdown(grace_s)
     await server.stop(grace_s)
-    shutdown_tracing()
     return 0
 
 

@@ -18,6 +18,7 @@ import contextlib
 import inspect
 import logging
 import os
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
@@ -31,6 +32,7 @@ from prefixcache.services.common.server_interceptors import behavior_of, rebuild
 log = logging.getLogger(__name__)
 
 _enabled = False
+SHUTDOWN_FLUSH_S = 3.0
 
 
 def configure_tracing(service_name: str) -> bool:
@@ -51,11 +53,17 @@ def configure_tracing(service_name: str) -> bool:
     return True
 
 
-def shutdown_tracing() -> None:
-    """Flush pending spans (at process exit)."""
+def shutdown_tracing(timeout_s: float = SHUTDOWN_FLUSH_S) -> None:
+    """Flush pending spans (at process exit), for at most `timeout_s`: an unreachable collector
+    (the exporter retries with backoff) must not hold up a stopping service."""
     provider = trace.get_tracer_provider()
-    if _enabled and hasattr(provider, "shutdown"):
-        provider.shutdown()
+    if not (_enabled and hasattr(provider, "shutdown")):
+        return
+    flushing = threading.Thread(target=provider.shutdown, name="otel-shutdown", daemon=True)
+    flushing.start()
+    flushing.join(timeout_s)
+    if flushing.is_alive():
+        log.warning("spans not exported within %.0f s of stopping were dropped", timeout_s)
 
 
 def service_resource(service_name: str) -> Any:
@@ -75,6 +83,8 @@ def tracing_enabled() -> bool:
 
 def _configured_exporters() -> list[Any]:
     """The span exporters the environment asks for (none when nothing is configured)."""
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return []
     names = os.environ.get("OTEL_TRACES_EXPORTER")
     if names is None:
         endpoint_set = any(

@@ -1,6 +1,12 @@
 """Which exporter the OTEL_* environment selects (the SDK reads the rest itself)."""
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
 import pytest
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter
@@ -60,3 +66,33 @@ def test_the_service_name_comes_from_the_environment_first(monkeypatch, environm
     for variable, value in environment.items():
         monkeypatch.setenv(variable, value)
     assert service_resource("prefixcache-scheduler").attributes["service.name"] == name
+
+
+def test_otel_sdk_disabled_turns_every_exporter_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    assert _configured_exporters() == []
+
+
+def test_stopping_with_an_unreachable_collector_is_bounded() -> None:
+    """The exporter retries with backoff against a dead endpoint; the service still stops promptly."""
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        dead_endpoint = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    script = textwrap.dedent("""
+        import time
+        from prefixcache.services.common.tracing import configure_tracing, shutdown_tracing, tracer
+        assert configure_tracing("test")
+        with tracer("test").start_as_current_span("lost"):
+            pass
+        started = time.monotonic()
+        shutdown_tracing(timeout_s=1.0)
+        print(time.monotonic() - started)
+    """)
+    environment = {key: value for key, value in os.environ.items() if not key.startswith("OTEL_")}
+    environment["OTEL_EXPORTER_OTLP_ENDPOINT"] = dead_endpoint
+    result = subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert float(result.stdout) < 2.0
+    assert "dropped" in result.stderr or float(result.stdout) < 1.0
