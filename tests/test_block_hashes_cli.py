@@ -34,6 +34,9 @@ def test_salt_lora_and_mm_options():
     result = block_hashes("--block-size", "4", "--model-id", salted["model_id"],
                           "--cache-salt", salted["extras"]["cache_salt"], stdin=json.dumps(salted["tokens"]))
     assert result.stdout.splitlines() == salted["hashes"]
+    from_environment = block_hashes("--block-size", "4", "--model-id", salted["model_id"], stdin=json.dumps(salted["tokens"]),
+                                    env={**os.environ, "PREFIXCACHE_CACHE_SALT": salted["extras"]["cache_salt"]})
+    assert from_environment.stdout.splitlines() == salted["hashes"]  # a salt other users' `ps` cannot see
     # A name alone is an adapter without a digest (null in the spec), as the engine hashes it.
     result = block_hashes("--block-size", "4", "--model-id", "m", "--lora", "adapter", stdin="[1,2,3,4]")
     expected = BlockHasher(4, "sha256", "m").hash_blocks([1, 2, 3, 4], BlockExtras(lora_name="adapter"))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +12,10 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def prefixcache(*args: str) -> subprocess.CompletedProcess:
+def prefixcache(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "prefixcache.services.cli.main", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "prefixcache.services.cli.main", *args], capture_output=True, text=True, timeout=120,
+        env=env,
     )
 
 
@@ -35,6 +37,25 @@ def test_generate_json_and_stats(target: str, tmp_path: Path) -> None:
     assert stats.returncode == 0, stats.stderr
     counters = json.loads(stats.stdout)
     assert counters["hit_tokens"] >= usage["cached_tokens"] and counters["block_size"] == 16
+
+
+def test_a_cache_salt_from_the_environment_isolates_like_the_flag(target: str, tmp_path: Path) -> None:
+    system = tmp_path / "system.txt"
+    system.write_text("You answer in one word, as a cartographer would. " * 12)
+    args = ["generate", "Name a river.", "--target", target, "--system", str(system), "--max-tokens", "2",
+            "--temperature", "0", "--json"]  # fmt: skip
+
+    def cached_tokens(*extra: str, salt: str | None = None) -> int:
+        env = {key: value for key, value in os.environ.items() if key != "PREFIXCACHE_CACHE_SALT"}
+        if salt is not None:
+            env["PREFIXCACHE_CACHE_SALT"] = salt
+        result = prefixcache(*args, *extra, env=env)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)["usage"]["cached_tokens"]
+
+    cached_tokens(salt="river-salt-7e1")  # fills the cache under that salt
+    assert cached_tokens("--cache-salt", "river-salt-7e1") > 0  # the same salt, given as a flag, hits
+    assert cached_tokens() == 0  # no salt: another cache namespace
 
 
 def test_generate_json_with_logprobs(target: str) -> None:

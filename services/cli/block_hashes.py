@@ -10,6 +10,7 @@ import json
 import os
 import sys
 
+from prefixcache.services.cli.salt_env import CACHE_SALT_ENV, cache_salt
 from prefixcache.services.common.block_identity import (
     HASH_ALGOS,
     BlockExtras,
@@ -23,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (a power of two)")
     parser.add_argument("--hash-algo", choices=HASH_ALGOS, default="sha256")
     parser.add_argument("--model-id", required=True, help="the model id the engine was started with")
-    parser.add_argument("--cache-salt", help="the request's cache salt (a secret: prefer a private shell)")
+    parser.add_argument("--cache-salt", help=f"the request's cache salt (default: ${CACHE_SALT_ENV}, which other "
+                        "users' `ps` cannot see)")
     parser.add_argument("--lora", metavar="NAME[:DIGEST]", action="append", default=[],
                         help="LoRA adapter name and, if the deployment has one, its weights digest in hex "
                              "(after the last colon)")
@@ -32,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    args.cache_salt = cache_salt(args.cache_salt)
     try:
         for option in ("model_id", "cache_salt", "lora", "mm"):
             _check_utf8(option, getattr(args, option))

@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
+from prefixcache.services.cli.salt_env import CACHE_SALT_ENV, cache_salt
 from prefixcache.services.common.engine_client import DEFAULT_TARGET
 
 INT32_MAX = 2**31 - 1
@@ -76,7 +77,8 @@ def add_sampling(parser: argparse.ArgumentParser) -> None:
                        help="stop token id (repeatable)")
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     isolation = parser.add_mutually_exclusive_group()
-    isolation.add_argument("--cache-salt", help="share cached prefixes only with requests using this salt")
+    isolation.add_argument("--cache-salt", help="share cached prefixes only with requests using this salt "
+                           f"(default: ${CACHE_SALT_ENV}, which other users' `ps` cannot see)")
     isolation.add_argument("--tenant", help="share cached prefixes only within this tenant (salt derived server-side)")
     parser.add_argument("--lora-adapter", default="", help="LoRA adapter name (default: the base model)")
 
@@ -91,7 +93,7 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "stop": args.stop,
         "stop_token_ids": args.stop_token_id,
         "ignore_eos": args.ignore_eos,
-        "cache_salt": args.cache_salt,
+        "cache_salt": cache_salt(args.cache_salt, args.tenant),
         "tenant": args.tenant,
         "lora_adapter": args.lora_adapter,
     }

@@ -95,7 +95,7 @@ async def serve(args: argparse.Namespace) -> int:
         if args.metrics_port is not None:
             from prometheus_client import start_http_server
 
-            start_http_server(args.metrics_port, registry=engine.metrics.registry)
+            start_http_server(args.metrics_port, addr=metrics_address(args.host), registry=engine.metrics.registry)
 
     async def stop_engine(grace_s: float) -> None:
         deadline = asyncio.get_running_loop().time() + grace_s
@@ -117,6 +117,13 @@ async def serve(args: argparse.Namespace) -> int:
         shutdown=stop_engine,
         health=health,
     )
+
+
+def metrics_address(engine_host: str) -> str:
+    """Where /metrics listens: beside the Engine API on a specific address (loopback stays loopback),
+    on every IPv4 interface where the Engine API takes all (as Prometheus scrapes a pod's IP)."""
+    host = engine_host.strip("[]")
+    return "0.0.0.0" if host in ("", "::", "0.0.0.0") else host
 
 
 def run(args: argparse.Namespace) -> int:

@@ -171,3 +171,13 @@ def test_the_engine_reports_not_serving_while_its_worker_is_replaced(model_dir: 
                 process.wait()
         for log in logs:
             log.close()
+
+
+@pytest.mark.parametrize(("engine_host", "metrics_host"), [
+    ("localhost", "localhost"), ("127.0.0.1", "127.0.0.1"), ("[::1]", "::1"),  # loopback stays loopback
+    ("[::]", "0.0.0.0"), ("0.0.0.0", "0.0.0.0"),  # every interface: Prometheus scrapes the pod's IPv4 address
+])
+def test_metrics_listen_where_the_engine_api_does(engine_host: str, metrics_host: str) -> None:
+    from prefixcache.services.scheduler.server import metrics_address
+
+    assert metrics_address(engine_host) == metrics_host
