@@ -166,3 +166,14 @@ def test_operator_is_opt_in_and_reads_no_secrets(chart: Any) -> None:
 def test_chart_crd_is_the_operator_crd() -> None:
     chart_copy = CHART / "crds" / "prefixcachedeployments.yaml"
     assert chart_copy.read_bytes() == (REPO / "operator" / "crd.yaml").read_bytes()
+
+
+def test_two_releases_of_one_name_in_two_namespaces_share_no_cluster_scoped_object(chart: Any) -> None:
+    def cluster_scoped(namespace: str) -> set[tuple[str, str]]:
+        objects = [doc for text in chart.render({"operator": {"enabled": True}}, name="chat", namespace=namespace).values()
+                   for doc in yaml.safe_load_all(text) if doc]
+        return {(o["kind"], o["metadata"]["name"]) for o in objects if o["kind"].startswith("Cluster")}
+
+    team_a, team_b = cluster_scoped("team-a"), cluster_scoped("team-b")
+    assert {kind for kind, _ in team_a} == {"ClusterRole", "ClusterRoleBinding"}
+    assert not team_a & team_b
