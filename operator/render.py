@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixcache.operator.schema import GROUP, KIND, VERSION
-from prefixcache.operator.spec import EMBEDDED, PrefixCacheSpec, Resources
+from prefixcache.operator.spec import EMBEDDED, Placement, PrefixCacheSpec, Resources
 
 ENGINE_PORT = 50051
 ENGINE_SERVICE = "prefixcache.engine.v1.Engine"  # the Engine API's gRPC name, as its health service
@@ -209,9 +209,9 @@ def _container(owner: Owner, name: str, spec: PrefixCacheSpec, args: list[str], 
     return container
 
 
-def _pod_spec(containers: list[dict[str, Any]], volumes: list[dict[str, Any]],
-              grace_seconds: int) -> dict[str, Any]:
-    return {
+def _pod_spec(containers: list[dict[str, Any]], volumes: list[dict[str, Any]], grace_seconds: int,
+              placement: Placement, image_pull_secrets: tuple[str, ...]) -> dict[str, Any]:
+    pod: dict[str, Any] = {
         "containers": containers,
         "volumes": [{"name": "tmp", "emptyDir": {}}, *volumes],
         "terminationGracePeriodSeconds": grace_seconds,
@@ -220,6 +220,13 @@ def _pod_spec(containers: list[dict[str, Any]], volumes: list[dict[str, Any]],
         "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
                             "fsGroup": RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}},
     }
+    if placement.node_selector:
+        pod["nodeSelector"] = dict(placement.node_selector)
+    if placement.tolerations:
+        pod["tolerations"] = [dict(t) for t in placement.tolerations]
+    if image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": name} for name in image_pull_secrets]
+    return pod
 
 
 def _deployment(owner: Owner, name: str, component: str, replicas: int, pod_spec: dict[str, Any],
@@ -246,7 +253,7 @@ def _tokenizer_deployment(owner: Owner, spec: PrefixCacheSpec, config_hash: str)
                                                 "--model-dir", _model_dir(spec)],
                            TOKENIZER_PORT, startup_seconds=120, resources=spec.tokenizer.resources)
     container["volumeMounts"] += mounts
-    pod = _pod_spec([container], volumes, grace_seconds=TOKENIZER_POD_GRACE_SECONDS)
+    pod = _pod_spec([container], volumes, TOKENIZER_POD_GRACE_SECONDS, spec.tokenizer.placement, spec.image_pull_secrets)
     return _deployment(owner, owner.tokenizer_deployment, "tokenizer", spec.tokenizer.replicas, pod, config_hash)
 
 
@@ -301,7 +308,8 @@ def _engine_deployment(owner: Owner, spec: PrefixCacheSpec, config_hash: str) ->
             "name": spec.tenant_salts.secret_name, "key": spec.tenant_salts.key}}})
     worker["restartPolicy"] = "Always"  # a native sidecar: up before the scheduler, down after it
     scheduler["ports"].append({"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"})
-    pod = _pod_spec([scheduler], volumes, spec.termination_grace_period_seconds)
+    pod = _pod_spec([scheduler], volumes, spec.termination_grace_period_seconds, spec.worker.placement,
+                    spec.image_pull_secrets)
     pod["initContainers"] = [worker]
     # GPUs are scarce: replace pods one at a time instead of surging onto GPUs that may not exist
     # (LeaderWorkerSet and Dynamo's Grove path default to the same).

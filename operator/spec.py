@@ -51,18 +51,28 @@ class TenantSaltsRef:
 
 
 @dataclass(frozen=True, slots=True)
+class Placement:
+    """Which nodes a component's pods may run on."""
+
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: tuple[dict[str, Any], ...] = ()  # core/v1 Toleration objects, as given
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerSpec:
     gpus: int
     gpu_resource: str
     dtype: str  # "auto" leaves the choice to the worker
     attention_backend: str  # "auto" leaves the choice to the worker
     resources: Resources
+    placement: Placement = field(default_factory=Placement)  # of the engine pods: scheduler and worker
 
 
 @dataclass(frozen=True, slots=True)
 class TokenizerSpec:
     replicas: int
     resources: Resources
+    placement: Placement = field(default_factory=Placement)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +92,7 @@ class PrefixCacheSpec:
     termination_grace_period_seconds: int
     tenant_salts: TenantSaltsRef | None = None
     otel_endpoint: str | None = None
+    image_pull_secrets: tuple[str, ...] = ()
 
 
 def parse_spec(raw_spec: Mapping[str, Any] | None) -> PrefixCacheSpec:
@@ -103,6 +114,9 @@ def parse_spec(raw_spec: Mapping[str, Any] | None) -> PrefixCacheSpec:
     for section in ("worker", "scheduler", "tokenizer"):
         if well_formed(f"spec.{section}"):
             rules += _resource_problems(spec[section]["resources"], f"spec.{section}.resources")
+    for section in ("worker", "tokenizer"):
+        if well_formed(f"spec.{section}"):
+            rules += _placement_problems(spec[section], f"spec.{section}")
     if well_formed("spec.worker"):
         worker = spec["worker"]
         rules += [f"spec.worker.resources.{kind}.{worker['gpuResource']}: set GPUs with spec.worker.gpus, "
@@ -132,15 +146,37 @@ def parse_spec(raw_spec: Mapping[str, Any] | None) -> PrefixCacheSpec:
         kv_cache_memory_bytes=kv_bytes,
         worker=WorkerSpec(gpus=worker["gpus"], gpu_resource=worker["gpuResource"], dtype=worker["dtype"],
                           attention_backend=worker["attentionBackend"],
-                          resources=_resources(worker["resources"])),
+                          resources=_resources(worker["resources"]), placement=_placement(worker)),
         scheduler_resources=_resources(spec["scheduler"]["resources"]),
         tokenizer=TokenizerSpec(replicas=spec["tokenizer"]["replicas"],
-                                resources=_resources(spec["tokenizer"]["resources"])),
+                                resources=_resources(spec["tokenizer"]["resources"]),
+                                placement=_placement(spec["tokenizer"])),
         termination_grace_period_seconds=spec["terminationGracePeriodSeconds"],
         tenant_salts=TenantSaltsRef(spec["tenantSalts"]["secretName"], spec["tenantSalts"]["key"])
         if "tenantSalts" in spec else None,
         otel_endpoint=(spec.get("otel") or {}).get("endpoint"),
+        image_pull_secrets=tuple(spec.get("imagePullSecrets") or ()),
     )
+
+
+def _placement(section: Mapping[str, Any]) -> Placement:
+    return Placement(node_selector=dict(section.get("nodeSelector") or {}),
+                     tolerations=tuple(dict(t) for t in section.get("tolerations") or ()))
+
+
+def _placement_problems(section: Mapping[str, Any], prefix: str) -> list[str]:
+    """The CRD's CEL rules on nodeSelector and tolerations, word for word."""
+    problems = [f"{prefix}.nodeSelector: nodeSelector keys must be label keys (an optional DNS prefix and '/', "
+                "then a name)" for key in section.get("nodeSelector") or {} if not _RESOURCE_NAME.fullmatch(key)][:1]
+    for index, toleration in enumerate(section.get("tolerations") or ()):
+        where = f"{prefix}.tolerations[{index}]"
+        if toleration.get("operator") == "Exists" and toleration.get("value"):
+            problems.append(f"{where}: a toleration with operator Exists has no value")
+        if not toleration.get("key") and toleration.get("operator") != "Exists":
+            problems.append(f"{where}: a toleration without a key needs operator Exists")
+        if "tolerationSeconds" in toleration and toleration.get("effect") != "NoExecute":
+            problems.append(f"{where}: tolerationSeconds applies to effect NoExecute only")
+    return problems
 
 
 def check_name(name: str) -> None:

@@ -22,8 +22,12 @@ SPEC = {  # a PrefixCacheDeployment spec, and below the same settings as chart v
     "kvCacheMemory": "3Gi", "image": "registry.example/prefixcache:1.2.3",
     "model": {"source": "PersistentVolumeClaim", "claimName": "models", "path": "hf/smol"},
     "tenantSalts": {"secretName": "tenant-salts", "key": "hmac"},
-    "worker": {"gpus": 1, "dtype": "bfloat16", "resources": {"requests": {"memory": "8Gi"}}},
-    "tokenizer": {"replicas": 2, "resources": {"limits": {"cpu": "1"}}},
+    "worker": {"gpus": 1, "dtype": "bfloat16", "resources": {"requests": {"memory": "8Gi"}},
+               "nodeSelector": {"cloud.google.com/gke-accelerator": "nvidia-l4"},
+               "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
+    "tokenizer": {"replicas": 2, "resources": {"limits": {"cpu": "1"}}, "nodeSelector": {"pool": "cpu"},
+                  "tolerations": [{"operator": "Exists"}]},
+    "imagePullSecrets": ["registry-credentials"],
     "otel": {"endpoint": "http://otel:4317"}, "terminationGracePeriodSeconds": 90,
 }
 
@@ -64,6 +68,11 @@ def test_default_values_match_the_schema(chart: Any) -> None:
     ({"kvCacheMemoryBytes": "2Gi"}, "kvCacheMemoryBytes"),
     ({"worker": {"gpus": 2}}, "gpus"),  # a worker runs on one device
     ({"worker": {"gpuResource": "not a resource"}}, "gpuResource"),
+    ({"worker": {"nodeSelector": {"not a label": "x"}}}, "nodeSelector"),
+    ({"tokenizer": {"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}}, "tolerations"),
+    ({"worker": {"tolerations": [{"operator": "Equal", "value": "v"}]}}, "tolerations"),
+    ({"worker": {"tolerations": [{"key": "k", "effect": "NoSchedule", "tolerationSeconds": 30}]}}, "tolerations"),
+    ({"imagePullSecrets": ["Not_A_Name"]}, "imagePullSecrets"),
 ])
 def test_schema_rejects_bad_values_by_name(chart: Any, values: dict[str, Any], field: str) -> None:
     with pytest.raises(helm.HelmError) as error:

@@ -22,9 +22,14 @@ FULL_SPEC = {
               "id": "HuggingFaceTB/SmolLM2-135M-Instruct"},
     "tenantSalts": {"secretName": "tenant-salts", "key": "hmac"},
     "worker": {"gpus": 1, "dtype": "bfloat16", "attentionBackend": "triton",
-               "resources": {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "32Gi"}}},
+               "resources": {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "32Gi"}},
+               "nodeSelector": {"cloud.google.com/gke-accelerator": "nvidia-l4"},
+               "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
     "scheduler": {"resources": {"requests": {"cpu": "500m"}}},
-    "tokenizer": {"replicas": 2},
+    "tokenizer": {"replicas": 2, "nodeSelector": {"pool": "cpu"},
+                  "tolerations": [{"key": "spot", "operator": "Equal", "value": "true", "effect": "NoExecute",
+                                   "tolerationSeconds": 30}]},
+    "imagePullSecrets": ["registry-credentials"],
     "otel": {"endpoint": "http://otel-collector.observability:4317"},
     "terminationGracePeriodSeconds": 120,
 }
@@ -119,6 +124,18 @@ def test_worker_gets_gpus_and_resources() -> None:
     assert engine["scheduler"]["resources"] == {"requests": {"cpu": "500m"}}
     cpu_only = containers(by_name(render(OWNER, parse_spec({"worker": {"gpus": 0}})))["Deployment", "chat-engine"])
     assert "resources" not in cpu_only["worker"] and "--device" not in cpu_only["worker"]["args"]
+
+
+def test_each_component_is_placed_where_its_spec_says() -> None:
+    objects = by_name(render(OWNER, parse_spec(FULL_SPEC)))
+    engine = objects["Deployment", "chat-engine"]["spec"]["template"]["spec"]
+    tokenizer = objects["Deployment", "chat-tokenizer"]["spec"]["template"]["spec"]
+    assert engine["nodeSelector"] == FULL_SPEC["worker"]["nodeSelector"]
+    assert engine["tolerations"] == FULL_SPEC["worker"]["tolerations"]
+    assert tokenizer["nodeSelector"] == {"pool": "cpu"} and tokenizer["tolerations"][0]["tolerationSeconds"] == 30
+    assert engine["imagePullSecrets"] == tokenizer["imagePullSecrets"] == [{"name": "registry-credentials"}]
+    defaults = by_name(render(OWNER, parse_spec({})))["Deployment", "chat-engine"]["spec"]["template"]["spec"]
+    assert not {"nodeSelector", "tolerations", "imagePullSecrets"} & set(defaults)
 
 
 def test_model_claim_is_mounted_read_only_where_needed() -> None:

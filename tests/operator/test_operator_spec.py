@@ -167,12 +167,16 @@ def test_python_rules_mirror_every_cel_rule_of_the_crd() -> None:
         {"model": {"claimName": "models"}},
         {"model": {"source": "PersistentVolumeClaim", "claimName": "m", "path": "/abs"}},
         {"worker": {"gpus": 0, "attentionBackend": "triton"}},
+        {"worker": {"nodeSelector": {"not a label": "x"}}},
+        {"tokenizer": {"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}},
+        {"worker": {"tolerations": [{"operator": "Equal", "value": "v"}]}},
+        {"worker": {"tolerations": [{"key": "k", "effect": "NoSchedule", "tolerationSeconds": 30}]}},
     ]
     reported = set()
     for raw in violations:
         with pytest.raises(SpecError) as error:
             parse_spec(raw)
-        reported |= {re.sub(r"^[\w.]+: ", "", p) for p in error.value.problems}
+        reported |= {re.sub(r"^[\w.\[\]]+: ", "", p) for p in error.value.problems}
     assert cel_messages == reported
 
 

@@ -105,3 +105,20 @@ securityContext:
 []
 {{- end }}
 {{- end }}
+
+{{/* Where a component's pods may run, and how they pull the image. Arguments: root, placement (the
+     component's values: nodeSelector, tolerations). */}}
+{{- define "prefixcache.placement" -}}
+{{- with .placement.nodeSelector }}
+nodeSelector: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .placement.tolerations }}
+tolerations: {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .root.Values.imagePullSecrets }}
+imagePullSecrets:
+{{- range . }}
+  - name: {{ . | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
