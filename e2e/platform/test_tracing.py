@@ -72,6 +72,7 @@ def test_trace_context_crosses_all_services(platform: LocalPlatform, target: str
     scheduler_spans = spans_of_trace(logs["scheduler"], TRACE_ID)
     server_span = next(s for s in scheduler_spans if s["name"] == "prefixcache.engine.v1.Engine/Generate")
     assert server_span["parent_id"] == f"0x{CALLER_SPAN_ID:016x}"
+    assert server_span["attributes"]["rpc.grpc.status_code"] == 0
     request_span = next(s for s in scheduler_spans if s["name"] == "generate")
     attributes = request_span["attributes"]
     assert attributes["gen_ai.usage.input_tokens"] == completion.usage.prompt_tokens
@@ -194,6 +195,12 @@ def test_a_request_cancelled_before_its_first_token_still_reports_its_cache_look
     assert attributes["prefix_cache.blocks_queried"] == 64
 
 
+def test_health_checks_make_no_spans(platform: LocalPlatform) -> None:
+    """Probes run every few seconds in a cluster: spans of them would bury the requests'."""
+    for log in (service.log_path for service in platform.services):
+        assert not [s for s in spans_in(log) if "grpc.health" in s["name"] or "reflection" in s["name"]]
+
+
 def test_a_refused_request_span_names_the_failure_without_quoting_the_request(platform: LocalPlatform,
                                                                                target: str) -> None:
     trace_id = 0x5EED000000000000000000000000BAD1
@@ -213,5 +220,9 @@ def test_a_refused_request_span_names_the_failure_without_quoting_the_request(pl
     spans = [span for log in logs for span in spans_of_trace(log, trace_id)]
     generate = next(s for s in spans if s["name"] == "generate")
     assert generate["status"]["status_code"] == "ERROR"
+    tokenize = next(s for s in spans if s["name"] == "prefixcache.tokenizer.v1.Tokenizer/Tokenize")
+    assert tokenize["attributes"]["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    server = next(s for s in spans if s["name"] == "prefixcache.engine.v1.Engine/Generate")
+    assert server["attributes"]["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert not any(event["name"] == "exception" for span in spans for event in span["events"])
     assert "Zanzibar" not in json.dumps(spans)  # neither the role nor the text, in any span

@@ -14,6 +14,7 @@ received, so a trace is not cut by one unconfigured hop.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 import logging
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 
 _enabled = False
 SHUTDOWN_FLUSH_S = 3.0
+UNTRACED_SERVICES = ("grpc.health.v1.Health/", "grpc.reflection.")
 
 
 def configure_tracing(service_name: str) -> bool:
@@ -141,6 +143,8 @@ class ServerTracingInterceptor(aio.ServerInterceptor):
             return handler
         parent = _extract(handler_call_details.invocation_metadata)
         method = handler_call_details.method.lstrip("/")
+        if method.startswith(UNTRACED_SERVICES):
+            return handler  # probes every few seconds: noise in every trace store
         wrap = _wrap_streaming if handler.response_streaming else _wrap_unary
         return rebuild_handler(handler, wrap(behavior_of(handler), parent, method))
 
@@ -148,6 +152,20 @@ class ServerTracingInterceptor(aio.ServerInterceptor):
 def _server_span(method: str, **options: Any) -> Any:
     return quiet_span(tracer(__name__), method, kind=trace.SpanKind.SERVER,
                       attributes={"rpc.system": "grpc", "rpc.method": method}, **options)
+
+
+def _set_status_code(span: trace.Span, context: aio.ServicerContext, error: BaseException | None) -> None:
+    """The call's gRPC status on its span (OpenTelemetry's `rpc.grpc.status_code`): the one the
+    handler set or aborted with; else OK, CANCELLED for a call the client left, UNKNOWN for a crash."""
+    code = context.code()
+    if not isinstance(code, grpc.StatusCode):
+        if error is None:
+            code = grpc.StatusCode.OK
+        elif isinstance(error, (asyncio.CancelledError, GeneratorExit)):
+            code = grpc.StatusCode.CANCELLED
+        else:
+            code = grpc.StatusCode.UNKNOWN
+    span.set_attribute("rpc.grpc.status_code", code.value[0])
 
 
 @contextlib.contextmanager
@@ -203,8 +221,15 @@ def _wrap_unary(behavior: Callable, parent: otel_context.Context, method: str) -
         try:
             if not _enabled:
                 return await behavior(request, context)
-            with _server_span(method):
-                return await behavior(request, context)
+            with _server_span(method) as span:
+                error = None
+                try:
+                    return await behavior(request, context)
+                except BaseException as raised:
+                    error = raised
+                    raise
+                finally:
+                    _set_status_code(span, context, error)
         finally:
             otel_context.detach(token)
 
@@ -221,8 +246,16 @@ def _wrap_streaming(behavior: Callable, parent: otel_context.Context, method: st
                 yield response
             return
         with _server_span(method, current=False, context=parent) as span:
-            async for response in iterate_in_context(behavior(request, context), trace.set_span_in_context(span, parent)):
-                yield response
+            error = None
+            try:
+                async for response in iterate_in_context(behavior(request, context),
+                                                         trace.set_span_in_context(span, parent)):
+                    yield response
+            except BaseException as raised:
+                error = raised
+                raise
+            finally:
+                _set_status_code(span, context, error)
 
     return handle
 
