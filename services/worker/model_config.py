@@ -128,12 +128,29 @@ def _rope(raw: dict[str, Any], source: str) -> RopeConfig:
     if kind == "linear" and "factor" not in parameters:
         raise ValueError(f"{source}: linear rope scaling needs 'factor'")
     if kind == "llama3":
+        # Some configs keep the pre-scaling length beside the scaling parameters, at the top level.
+        if "original_max_position_embeddings" not in parameters and "original_max_position_embeddings" in raw:
+            parameters["original_max_position_embeddings"] = raw["original_max_position_embeddings"]
         required = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         missing = [key for key in required if key not in parameters]
         if missing:
             raise ValueError(f"{source}: llama3 rope scaling lacks {', '.join(missing)}")
-    numeric = {key: float(value) for key, value in parameters.items() if isinstance(value, (int, float))}
+    numeric = {key: float(value) for key, value in parameters.items()
+               if isinstance(value, (int, float)) and not isinstance(value, bool)}
+    _check_rope_scaling(kind, numeric, source)
     return RopeConfig(theta=theta, kind=kind, scaling=numeric)
+
+
+def _check_rope_scaling(kind: str, scaling: dict[str, float], source: str) -> None:
+    """Values the scaling formulas would divide by or turn upside down."""
+    if kind in ("linear", "llama3") and not scaling.get("factor", 0) > 0:
+        raise ValueError(f"{source}: rope scaling factor must be positive, got {scaling.get('factor')}")
+    if kind == "llama3":
+        if not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+            raise ValueError(f"{source}: llama3 rope scaling needs high_freq_factor > low_freq_factor, got "
+                             f"{scaling['high_freq_factor']} and {scaling['low_freq_factor']}")
+        if not scaling["original_max_position_embeddings"] > 0:
+            raise ValueError(f"{source}: llama3 rope scaling needs a positive original_max_position_embeddings")
 
 
 def _max_model_len(raw: dict[str, Any], architecture: str, source: str) -> int:

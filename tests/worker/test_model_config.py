@@ -64,6 +64,10 @@ def test_rope_from_old_and_new_style_configs() -> None:
                                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                       "original_max_position_embeddings": 8192})
     assert old.rope == new.rope and old.rope.theta == 500000.0 and old.rope.kind == "llama3"
+    top_level = config("LlamaForCausalLM", original_max_position_embeddings=8192,
+                       rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0})
+    assert top_level.rope == new.rope  # the pre-scaling length kept at the top level
 
 
 def test_generation_config_adds_its_end_of_turn_tokens(tmp_path) -> None:
@@ -93,6 +97,9 @@ def test_derived_defaults() -> None:
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks low_freq_factor"),
         ({"rope_scaling": {"rope_type": "linear"}}, "needs 'factor'"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "factor must be positive"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 8192}}, "high_freq_factor > low_freq_factor"),
         ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, r"quantized checkpoints \(gptq\)"),
     ],
 )
