@@ -63,6 +63,7 @@ class Rollout:
     updated: int  # replicas running the latest pod template
     available: int  # replicas available, updated or not
     observed: bool  # the Deployment controller has seen the latest spec
+    existing: int = 0  # pods of any template (status.replicas): more than `updated` while old ones remain
     failure: str | None = None  # why the rollout stopped (Progressing=False, ProgressDeadlineExceeded)
 
     @classmethod
@@ -74,6 +75,7 @@ class Rollout:
         return cls(replicas=int((deployment.get("spec") or {}).get("replicas", 1)),
                    updated=int(status.get("updatedReplicas") or 0),
                    available=int(status.get("availableReplicas") or 0),
+                   existing=int(status.get("replicas") or 0),
                    observed=generation is None or int(status.get("observedGeneration") or 0) >= generation,
                    failure=None if stalled is None else str(stalled.get("message") or stalled["reason"]))
 
@@ -91,7 +93,7 @@ def readiness(desired_replicas: int, engine: Rollout | None, tokenizer: Rollout 
     if tokenizer.available == 0:
         return Condition(READY, False, "TokenizerUnavailable", "no tokenizer replica is available")
     for role, state, wanted in (("engine", engine, desired_replicas), ("tokenizer", tokenizer, tokenizer.replicas)):
-        if not state.observed or state.updated < wanted:
+        if not state.observed or state.updated < wanted or state.existing > state.updated:
             return Condition(READY, False, "Progressing",
                              f"rolling out: {state.updated if state.observed else 0} of {wanted} {role} replicas "
                              "run the current spec (the others still serve the previous one)")

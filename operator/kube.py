@@ -6,6 +6,7 @@ is never touched.
 """
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from typing import Any
 
 from kubernetes import client
 from kubernetes.client.rest import ApiException
+from kubernetes.utils.quantity import parse_quantity
 
 from prefixcache.operator.conditions import Rollout
 from prefixcache.operator.schema import GROUP, PLURAL, VERSION
@@ -70,13 +72,14 @@ def apply(api_client: client.ApiClient, objects: Iterable[Mapping[str, Any]], ow
             if not any(ref.get("uid") == owner_uid for ref in owners):
                 raise NotOwnedError(f"{kind} {namespace}/{name} already exists and is not managed by this "
                                     f"PrefixCacheDeployment; rename one of them")
-        if current is not None and not _drifted(current, obj):
+        cleared = _cleared_fields(current, obj) if current is not None else []
+        if current is not None and not cleared and not _drifted(current, obj):
             continue
         try:
             if current is None:
                 _call(api_client, kind, "create", namespace, dict(obj))
             else:
-                _call(api_client, kind, "patch", name, namespace, _merge_patch(current, obj),
+                _call(api_client, kind, "patch", name, namespace, _merge_patch(current, obj, cleared),
                       _content_type=MERGE_PATCH)
         except ApiException as error:
             if error.status == 422:
@@ -86,19 +89,43 @@ def apply(api_client: client.ApiClient, objects: Iterable[Mapping[str, Any]], ow
     return changed
 
 
-def _drifted(current: Any, desired: Any) -> bool:
+def _drifted(current: Any, desired: Any, path: tuple[str, ...] = ()) -> bool:
     """Whether a merge patch of `desired` would change `current`: fields the API server added
-    (defaults, status, bookkeeping) do not count; a rendered field that differs, or a list whose
-    length or any element differs, does."""
+    (defaults, status, bookkeeping) do not count, nor a quantity it wrote in canonical form ("0.5"
+    CPU stored as "500m"); a rendered field that differs, or a list whose length or any element
+    differs, does."""
     if isinstance(desired, Mapping):
         if not isinstance(current, Mapping):
             return True
-        return any(_drifted(current.get(key), value) for key, value in desired.items())
+        return any(_drifted(current.get(key), value, (*path, key)) for key, value in desired.items())
     if isinstance(desired, list):
         if not isinstance(current, list) or len(current) != len(desired):
             return True
-        return any(_drifted(have, want) for have, want in zip(current, desired))
+        return any(_drifted(have, want, path) for have, want in zip(current, desired))
+    if current != desired and len(path) >= 2 and path[-2] in ("requests", "limits"):
+        return not _same_quantity(current, desired)
     return current != desired
+
+
+def _same_quantity(a: Any, b: Any) -> bool:
+    try:
+        return parse_quantity(a) == parse_quantity(b)
+    except (ValueError, TypeError):
+        return False
+
+
+# Pod-spec fields the renderer leaves out when the spec has nothing for them. A merge patch keeps
+# what it does not mention, so once rendered they must be removed explicitly (null) when dropped.
+_OPTIONAL_POD_FIELDS = ("nodeSelector", "tolerations", "imagePullSecrets")
+
+
+def _cleared_fields(current: Mapping[str, Any], desired: Mapping[str, Any]) -> list[str]:
+    """The optional pod-spec fields `current` has and `desired` no longer renders."""
+    if desired["kind"] != "Deployment":
+        return []
+    have = ((current.get("spec") or {}).get("template") or {}).get("spec") or {}
+    want = desired["spec"]["template"]["spec"]
+    return [key for key in _OPTIONAL_POD_FIELDS if key in have and key not in want]
 
 
 def _status_message(error: ApiException) -> str:
@@ -109,12 +136,15 @@ def _status_message(error: ApiException) -> str:
         return str(error.body or error.reason)
 
 
-def _merge_patch(current: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[str, Any]:
-    """`desired` as a merge patch, with explicit nulls for ConfigMap keys it no longer has."""
-    patch = dict(desired)
+def _merge_patch(current: Mapping[str, Any], desired: Mapping[str, Any], cleared: list[str]) -> dict[str, Any]:
+    """`desired` as a merge patch, with explicit nulls for ConfigMap keys it no longer has and for
+    the `cleared` pod-spec fields."""
+    patch = copy.deepcopy(dict(desired))
     if desired["kind"] == "ConfigMap":
         stale = set(current.get("data") or {}) - set(desired.get("data") or {})
         patch["data"] = {**desired.get("data", {}), **dict.fromkeys(stale)}
+    if cleared:
+        patch["spec"]["template"]["spec"].update(dict.fromkeys(cleared))
     return patch
 
 

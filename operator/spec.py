@@ -160,8 +160,11 @@ def parse_spec(raw_spec: Mapping[str, Any] | None) -> PrefixCacheSpec:
 
 
 def _placement(section: Mapping[str, Any]) -> Placement:
+    # Empty strings are left out, as the API server stores them: a rendering it never echoes back
+    # would look like drift forever.
     return Placement(node_selector=dict(section.get("nodeSelector") or {}),
-                     tolerations=tuple(dict(t) for t in section.get("tolerations") or ()))
+                     tolerations=tuple({key: value for key, value in t.items() if value != ""}
+                                       for t in section.get("tolerations") or ()))
 
 
 def _placement_problems(section: Mapping[str, Any], prefix: str) -> list[str]:
@@ -169,7 +172,7 @@ def _placement_problems(section: Mapping[str, Any], prefix: str) -> list[str]:
     problems = [f"{prefix}.nodeSelector: nodeSelector keys must be label keys (an optional DNS prefix and '/', "
                 "then a name)" for key in section.get("nodeSelector") or {} if not _RESOURCE_NAME.fullmatch(key)][:1]
     for index, toleration in enumerate(section.get("tolerations") or ()):
-        where = f"{prefix}.tolerations[{index}]"
+        where = f"{prefix}.tolerations.{index}"
         if toleration.get("operator") == "Exists" and toleration.get("value"):
             problems.append(f"{where}: a toleration with operator Exists has no value")
         if not toleration.get("key") and toleration.get("operator") != "Exists":

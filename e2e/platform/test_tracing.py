@@ -193,6 +193,10 @@ def test_a_request_cancelled_before_its_first_token_still_reports_its_cache_look
     assert attributes["gen_ai.usage.output_tokens"] == 0
     assert attributes["prefix_cache.miss_reason"] == "cold"
     assert attributes["prefix_cache.blocks_queried"] == 64
+    eventually(lambda: any(s["name"].endswith("Engine/Generate") for s in spans_of_trace(log, trace_id)),
+               "the scheduler exported no server span for the call")
+    server = next(s for s in spans_of_trace(log, trace_id) if s["name"].endswith("Engine/Generate"))
+    assert server["attributes"]["rpc.grpc.status_code"] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 
 
 def test_health_checks_make_no_spans(platform: LocalPlatform) -> None:

@@ -156,13 +156,16 @@ def _server_span(method: str, **options: Any) -> Any:
 
 def _set_status_code(span: trace.Span, context: aio.ServicerContext, error: BaseException | None) -> None:
     """The call's gRPC status on its span (OpenTelemetry's `rpc.grpc.status_code`): the one the
-    handler set or aborted with; else OK, CANCELLED for a call the client left, UNKNOWN for a crash."""
+    handler set or aborted with; else OK, DEADLINE_EXCEEDED or CANCELLED for a call that ran out of
+    time or that the client left, UNKNOWN for a crash."""
     code = context.code()
     if not isinstance(code, grpc.StatusCode):
         if error is None:
             code = grpc.StatusCode.OK
         elif isinstance(error, (asyncio.CancelledError, GeneratorExit)):
-            code = grpc.StatusCode.CANCELLED
+            remaining = context.time_remaining()
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 \
+                else grpc.StatusCode.CANCELLED
         else:
             code = grpc.StatusCode.UNKNOWN
     span.set_attribute("rpc.grpc.status_code", code.value[0])

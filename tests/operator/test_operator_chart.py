@@ -73,6 +73,7 @@ def test_default_values_match_the_schema(chart: Any) -> None:
     ({"worker": {"tolerations": [{"operator": "Equal", "value": "v"}]}}, "tolerations"),
     ({"worker": {"tolerations": [{"key": "k", "effect": "NoSchedule", "tolerationSeconds": 30}]}}, "tolerations"),
     ({"imagePullSecrets": ["Not_A_Name"]}, "imagePullSecrets"),
+    ({"worker": {"tolerations": [{"key": "no spaces/in keys", "operator": "Exists"}]}}, "tolerations"),
 ])
 def test_schema_rejects_bad_values_by_name(chart: Any, values: dict[str, Any], field: str) -> None:
     with pytest.raises(helm.HelmError) as error:
@@ -168,6 +169,10 @@ def test_operator_is_opt_in_and_reads_no_secrets(chart: Any) -> None:
     finalizer_rules = [rule for rule in objects["ClusterRole"]["rules"]
                        if rule["resources"] == ["prefixcachedeployments/finalizers"]]
     assert [rule["verbs"] for rule in finalizer_rules] == [["update"]]
+    # The operator watches its children (to put back what drifted) and writes them.
+    for child in ("deployments", "services", "configmaps"):
+        verbs = {v for rule in objects["ClusterRole"]["rules"] if child in rule["resources"] for v in rule["verbs"]}
+        assert {"get", "list", "watch", "create", "patch"} <= verbs, child
     args = objects["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[:4] == ["run", "--standalone", "-m", "prefixcache.operator.handlers"]
 

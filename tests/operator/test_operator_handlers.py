@@ -66,10 +66,11 @@ def deployment(api: client.ApiClient, name: str) -> dict[str, Any] | None:
     return json.loads(response.data)
 
 
-def set_rollout(api: client.ApiClient, name: str, *, updated: int, available: int,
+def set_rollout(api: client.ApiClient, name: str, *, updated: int, available: int, existing: int | None = None,
                 conditions: list[dict[str, str]] | None = None) -> None:
     """Play the Deployment controller: report how far a Deployment's rollout is."""
-    status: dict[str, Any] = {"updatedReplicas": updated, "availableReplicas": available}
+    status: dict[str, Any] = {"updatedReplicas": updated, "availableReplicas": available,
+                              "replicas": updated if existing is None else existing}
     if conditions is not None:
         status["conditions"] = conditions
     client.AppsV1Api(api).patch_namespaced_deployment_status(name, NAMESPACE, {"status": status})
@@ -91,6 +92,7 @@ def test_create_renders_the_stack_and_reports_readiness(operator: Any, api: clie
 
     reconciled = wait_for(lambda: condition(api, "alpha", "Reconciled"), "Reconciled")
     assert (reconciled["status"], reconciled["reason"], reconciled["observedGeneration"]) == ("True", "Applied", 1)
+    assert not get(api, "alpha")["metadata"].get("finalizers")  # deleting never waits for the operator
     status = get(api, "alpha")["status"]
     assert status["engineEndpoint"] == "alpha.default.svc:50051" and status["replicas"] == 2
     assert condition(api, "alpha", "Ready")["status"] == "False"
@@ -118,6 +120,15 @@ def test_ready_waits_for_a_rollout_and_names_one_that_stopped(operator: Any, api
     set_rollout(api, "zeta-engine", updated=1, available=2)
     rolling = wait_for(lambda: (c := condition(api, "zeta", "Ready")) and c["status"] == "False" and c, "Ready=False")
     assert rolling["reason"] == "Progressing" and rolling["message"].startswith("rolling out: 1 of 2 engine replicas")
+
+    # The tokenizer rolls with a surge: a new pod exists beside the old one, which alone is available.
+    set_rollout(api, "zeta-engine", updated=2, available=2)
+    set_rollout(api, "zeta-tokenizer", updated=1, available=1, existing=2)
+    surging = wait_for(lambda: (c := condition(api, "zeta", "Ready")) and "tokenizer" in c["message"] and c,
+                       "Ready to wait for the tokenizer's rollout")
+    assert (surging["status"], surging["reason"]) == ("False", "Progressing")
+    set_rollout(api, "zeta-tokenizer", updated=1, available=1, existing=1)
+    wait_for(lambda: (c := condition(api, "zeta", "Ready")) and c["status"] == "True", "Ready=True again")
 
     stalled = {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
                "message": 'ReplicaSet "zeta-engine-7d9" has timed out progressing.'}
@@ -236,3 +247,17 @@ def test_name_too_long_for_its_children_is_refused(operator: Any, api: client.Ap
     assert (reconciled["status"], reconciled["reason"]) == ("False", "InvalidSpec")
     assert reconciled["message"].startswith("metadata.name: ")
     assert deployment(api, f"{name}-engine") is None
+
+
+def test_placement_removed_from_the_spec_leaves_the_pods(operator: Any, api: client.ApiClient) -> None:
+    placed = {"nodeSelector": {"pool": "gpu"}, "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]}
+    create(api, "theta", {"worker": placed, "imagePullSecrets": ["regcred"]}, uid="uid-theta")
+    engine = wait_for(lambda: deployment(api, "theta-engine"), "the engine Deployment")
+    assert engine["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "gpu"}
+    patch = {"metadata": {"generation": 2}, "spec": {"worker": {"nodeSelector": None, "tolerations": None},
+                                                      "imagePullSecrets": None}}
+    client.CustomObjectsApi(api).patch_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, "theta", patch)
+    pod = wait_for(lambda: (d := deployment(api, "theta-engine"))
+                   and "nodeSelector" not in d["spec"]["template"]["spec"] and d["spec"]["template"]["spec"],
+                   "the node selector to leave the engine pods")
+    assert "tolerations" not in pod and "imagePullSecrets" not in pod

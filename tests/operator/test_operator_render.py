@@ -2,6 +2,7 @@
 objects say exactly what the spec says."""
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 import yaml
 from kubernetes_validate.utils import ValidationError
 
+from prefixcache.operator import kube
 from prefixcache.operator.render import CONFIG_HASH_ANNOTATION, ENGINE_SERVICE, Owner, render
 from prefixcache.protos.engine.v1 import engine_pb2
 from prefixcache.operator.spec import parse_spec
@@ -252,3 +254,25 @@ def test_the_readiness_service_is_the_engines_grpc_name() -> None:
 def test_the_model_display_name_is_not_configuration_so_changing_it_restarts_nothing() -> None:
     renamed = render(OWNER, parse_spec({"model": {"id": "another-name"}}))
     assert renamed == render(OWNER, parse_spec({}))
+
+
+def test_what_the_api_server_writes_back_is_not_drift() -> None:
+    """Children are re-applied only where they differ from the rendering; the API server's own
+    canonical forms and defaults must not count, or every event would patch again."""
+    spec = parse_spec({**FULL_SPEC, "worker": {**FULL_SPEC["worker"], "resources": {"requests": {"cpu": "0.5",
+                                                                                                  "memory": "1024Mi"}},
+                                               "tolerations": [{"key": "gpu", "operator": "Exists", "value": ""}]}})
+    engine = by_name(render(OWNER, spec))["Deployment", "chat-engine"]
+    stored = copy.deepcopy(engine)  # as the API server stores it: canonical quantities, defaults, status
+    pod = stored["spec"]["template"]["spec"]
+    worker = pod["initContainers"][0]
+    worker["resources"]["requests"].update(cpu="500m", memory="1Gi")
+    worker["terminationMessagePath"] = "/dev/termination-log"
+    pod["dnsPolicy"] = "ClusterFirst"
+    stored["status"] = {"replicas": 3}
+    assert not pod["tolerations"][0].get("value")  # an empty value is not rendered, as it is not stored
+    assert not kube._drifted(stored, engine)
+    worker["resources"]["requests"]["cpu"] = "1"
+    assert kube._drifted(stored, engine)
+    stored["spec"]["replicas"] = 5
+    assert kube._drifted(stored, engine)

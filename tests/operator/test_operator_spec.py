@@ -123,6 +123,8 @@ def test_defaults_fill_gaps_but_keep_given_values() -> None:
     pytest.param({"worker": {"gpus": 1, "resources": {"limits": {"nvidia.com/gpu": 4}}}},
                  "spec.worker.resources.limits.nvidia.com/gpu: set GPUs with spec.worker.gpus", id="gpus-twice"),
     pytest.param({"worker": {"gpus": 2}}, "spec.worker.gpus: 2 is greater than the maximum of 1", id="gpus-beyond-one"),
+    pytest.param({"worker": {"tolerations": [{"key": "no spaces/in keys", "operator": "Exists"}]}},
+                 "spec.worker.tolerations.0.key: 'no spaces/in keys' does not match", id="toleration-key"),
     pytest.param({"worker": {"resources": {"requests": {"nvidia.com/gpu": 1}}}},
                  "spec.worker.resources.requests.nvidia.com/gpu: set GPUs with spec.worker.gpus",
                  id="gpu-without-gpus"),

@@ -137,7 +137,7 @@ class LlamaForCausalLM(nn.Module):
         if head.shape != embeddings.shape:
             raise ValueError(f"checkpoint tensor lm_head.weight has shape {tuple(head.shape)}, "
                              f"the model expects {tuple(embeddings.shape)}")
-        head = head.to(embeddings.dtype)
+        head = head.to(embeddings.device, embeddings.dtype)  # safetensors reads onto the CPU
         if not torch.equal(head, embeddings):
             self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False,
                                      device=embeddings.device, dtype=embeddings.dtype)
