@@ -169,9 +169,9 @@ class EngineCore:
         """Queue a request; iterate the result for its outputs. Raises RequestRejected, QueueFull or
         EngineUnavailable at once, before anything is queued.
 
-        Leaving the iteration early (closed, or cancelled while waiting) aborts the request; the
-        last output that abort produced, which nobody reads, goes to `on_abandon`: it may carry the
-        cache account of a request cancelled before its first token."""
+        Leaving the iteration early (closed, or cancelled while waiting) aborts the request; every
+        output nobody read, the abort's included, goes to `on_abandon`: they may carry the cache
+        account of a request cancelled before its first token, and its evictions."""
         if not self._serving or self._scheduler is None:
             raise EngineUnavailable("the engine is stopping" if self._stopping else "the worker is not available")
         self._validate(request)
@@ -201,10 +201,12 @@ class EngineCore:
                 finished = item.finished
                 yield item
         finally:
-            if not finished and self._streams.get(request_id) is queue:
-                last = self.abort(request_id)  # the client went away: free its blocks now
-                if last is not None and on_abandon is not None:
-                    on_abandon(last)
+            if not finished:
+                if self._streams.get(request_id) is queue:
+                    self.abort(request_id)  # the client went away: free its blocks now
+                while on_abandon is not None and not queue.empty():  # delivered, never read (the abort's too)
+                    if isinstance(unread := queue.get_nowait(), RequestOutput):
+                        on_abandon(unread)
 
     def abort(self, request_id: str, reason: str = FINISH_ABORT) -> RequestOutput | None:
         """End a request now and free its blocks; its stream gets a last output with `reason`

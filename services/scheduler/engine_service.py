@@ -145,7 +145,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             self._check_options(request)
             prompt_ids = await self._prompt_ids(request)
             engine_request = self._engine_request(request_id, request, prompt_ids)
-            abandoned: list[RequestOutput] = []  # the last output, if the engine saw the call leave first
+            abandoned: list[RequestOutput] = []  # outputs never read, if the engine saw the call leave first
             outputs = self._engine.add_request(engine_request, on_abandon=abandoned.append)
         except InvalidRequest as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))

@@ -164,6 +164,20 @@ def test_a_request_ended_before_its_first_output_hands_back_its_cache_account_an
     run(body, worker)
 
 
+def test_outputs_a_reader_left_unread_go_to_on_abandon():
+    async def body(engine, worker):
+        abandoned = []
+        stream = engine.add_request(request("quick", range(10), max_tokens=3), on_abandon=abandoned.append)
+        first = await anext(stream)
+        while engine.num_running:  # the engine finishes while the reader is elsewhere
+            await asyncio.sleep(0.01)
+        await stream.aclose()
+        assert abandoned and abandoned[-1].finished and abandoned[-1].finish_reason == "length"
+        assert len(first.new_token_ids) + sum(len(o.new_token_ids) for o in abandoned) == 3
+
+    run(body)
+
+
 def test_a_slow_client_does_not_hold_up_the_others():
     async def body(engine, worker):
         slow = engine.add_request(request("slow", range(10), max_tokens=30))  # never read until the end
