@@ -49,9 +49,11 @@ class Stacks:
             return self._locks.setdefault((namespace, name), threading.Lock())
 
     def forget(self, namespace: str, name: str, uid: str | None) -> None:
+        """The stack is gone (or its name now belongs to a new object)."""
         with self._guard:
             if self.owners.get((namespace, name)) == uid:
                 del self.owners[(namespace, name)]
+                self._locks.pop((namespace, name), None)
 
 
 @kopf.on.startup()
