@@ -413,8 +413,8 @@ class _Stream:
             span.add_event("prefix_cache.eviction", eviction_attributes(batch), timestamp=batch.evicted_at_ns)
 
     def absorb(self, output: RequestOutput | None) -> None:
-        """Take the cache account and evictions of the last output of a stream that ended before
-        reading it (cancelled before its first token, say), so the span still tells them."""
+        """Take the cache account and evictions of an output the stream never read (the call ended
+        first: cancelled before its first token, say), so the span still tells them."""
         if output is None:
             return
         self.evictions.extend(output.evictions)
