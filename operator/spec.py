@@ -171,8 +171,10 @@ def _placement_problems(section: Mapping[str, Any], prefix: str) -> list[str]:
     """The CRD's CEL rules on tolerations, word for word, and the label-key rule on nodeSelector the
     CRD cannot state (a CEL regex over map keys of unbounded length exceeds the API server's cost
     budget): the API server would refuse the pods."""
-    problems = [f"{prefix}.nodeSelector: nodeSelector keys must be label keys (an optional DNS prefix and '/', "
-                "then a name)" for key in section.get("nodeSelector") or {} if not _RESOURCE_NAME.fullmatch(key)][:1]
+    problems = []
+    if not all(map(_RESOURCE_NAME.fullmatch, section.get("nodeSelector") or {})):
+        problems.append(f"{prefix}.nodeSelector: nodeSelector keys must be label keys (an optional DNS prefix "
+                        "and '/', then a name)")
     for index, toleration in enumerate(section.get("tolerations") or ()):
         where = f"{prefix}.tolerations.{index}"
         if toleration.get("operator") == "Exists" and toleration.get("value"):

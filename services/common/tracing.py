@@ -149,9 +149,19 @@ class ServerTracingInterceptor(aio.ServerInterceptor):
         return rebuild_handler(handler, wrap(behavior_of(handler), parent, method))
 
 
-def _server_span(method: str, **options: Any) -> Any:
-    return quiet_span(tracer(__name__), method, kind=trace.SpanKind.SERVER,
-                      attributes={"rpc.system": "grpc", "rpc.method": method}, **options)
+@contextlib.contextmanager
+def _server_span(method: str, call: aio.ServicerContext, **options: Any) -> Iterator[trace.Span]:
+    """A call's server span, ending with the call's gRPC status on it."""
+    with quiet_span(tracer(__name__), method, kind=trace.SpanKind.SERVER,
+                    attributes={"rpc.system": "grpc", "rpc.method": method}, **options) as span:
+        error = None
+        try:
+            yield span
+        except BaseException as raised:
+            error = raised
+            raise
+        finally:
+            _set_status_code(span, call, error)
 
 
 def _set_status_code(span: trace.Span, context: aio.ServicerContext, error: BaseException | None) -> None:
@@ -224,15 +234,8 @@ def _wrap_unary(behavior: Callable, parent: otel_context.Context, method: str) -
         try:
             if not _enabled:
                 return await behavior(request, context)
-            with _server_span(method) as span:
-                error = None
-                try:
-                    return await behavior(request, context)
-                except BaseException as raised:
-                    error = raised
-                    raise
-                finally:
-                    _set_status_code(span, context, error)
+            with _server_span(method, call=context):
+                return await behavior(request, context)
         finally:
             otel_context.detach(token)
 
@@ -248,17 +251,9 @@ def _wrap_streaming(behavior: Callable, parent: otel_context.Context, method: st
             async for response in iterate_in_context(behavior(request, context), parent):
                 yield response
             return
-        with _server_span(method, current=False, context=parent) as span:
-            error = None
-            try:
-                async for response in iterate_in_context(behavior(request, context),
-                                                         trace.set_span_in_context(span, parent)):
-                    yield response
-            except BaseException as raised:
-                error = raised
-                raise
-            finally:
-                _set_status_code(span, context, error)
+        with _server_span(method, call=context, current=False, context=parent) as span:
+            async for response in iterate_in_context(behavior(request, context), trace.set_span_in_context(span, parent)):
+                yield response
 
     return handle
 

@@ -143,7 +143,8 @@ class EngineServicer(pb_grpc.EngineServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
             self._check_options(request)
-            prompt_ids = await self._prompt_ids(request)
+            tokenizer_id = self._expected_tokenizer_id()  # the same for the prompt and the reply
+            prompt_ids = await self._prompt_ids(request, tokenizer_id)
             engine_request = self._engine_request(request_id, request, prompt_ids)
             abandoned: list[RequestOutput] = []  # outputs never read, if the engine saw the call leave first
             outputs = self._engine.add_request(engine_request, on_abandon=abandoned.append)
@@ -163,7 +164,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"tokenizer: {code.name}: {details}")
         span.set_attribute("gen_ai.usage.input_tokens", len(prompt_ids))
 
-        detokenizer = self._tokenizer.detokenizer(prompt_ids, self._expected_tokenizer_id())
+        detokenizer = self._tokenizer.detokenizer(prompt_ids, tokenizer_id)
         stream = _Stream(request_id, self._engine, detokenizer, list(request.sampling.stop))
         self._request_spans.add(request_id, span)
         try:
@@ -196,16 +197,16 @@ class EngineServicer(pb_grpc.EngineServicer):
         if request.HasField("tenant") and not request.tenant:
             raise InvalidRequest("tenant", "must not be empty when set")
 
-    async def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
+    async def _prompt_ids(self, request: pb.GenerateRequest, tokenizer_id: str) -> list[int]:
         kind = request.WhichOneof("prompt")
         if kind == "token_ids":
             return list(request.token_ids.ids)
         if kind == "text":
             if not request.text:
                 raise InvalidRequest("text", "the prompt is empty")
-            return await self._tokenizer.tokenize_text(request.text, self._expected_tokenizer_id())
+            return await self._tokenizer.tokenize_text(request.text, tokenizer_id)
         if kind == "chat":
-            return await self._tokenizer.tokenize_chat(request.chat, self._expected_tokenizer_id())
+            return await self._tokenizer.tokenize_chat(request.chat, tokenizer_id)
         raise InvalidRequest("prompt", "set one of text, token_ids or chat")
 
     def _expected_tokenizer_id(self) -> str:
@@ -337,9 +338,7 @@ class _Stream:
         to the one completing the match, and the usage counts those."""
         async for output in outputs:
             self.last = output
-            self.evictions.extend(output.evictions)
-            if output.cache_account is not None:
-                self.account = output.cache_account
+            self.absorb(output)
             if self._stops.stopped:
                 if output.finished:
                     yield self._final(output, "", with_tokens=False)
@@ -413,8 +412,8 @@ class _Stream:
             span.add_event("prefix_cache.eviction", eviction_attributes(batch), timestamp=batch.evicted_at_ns)
 
     def absorb(self, output: RequestOutput | None) -> None:
-        """Take the cache account and evictions of an output the stream never read (the call ended
-        first: cancelled before its first token, say), so the span still tells them."""
+        """Take an output's cache account and evictions for the span: each output streamed, and
+        those the stream never read (the call ended first: cancelled before its first token, say)."""
         if output is None:
             return
         self.evictions.extend(output.evictions)
