@@ -45,6 +45,9 @@ def test_worker_killed_mid_stream_then_restarted(platform: LocalPlatform, target
                     if chunk.token_ids and platform.worker.running:
                         platform.worker.kill()
             assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+            # The worker's address stays in the scheduler's log; the client learns what happened.
+            assert "worker was lost" in error.value.details()
+            assert platform.worker.address not in error.value.details()
 
             platform.restart_worker()
             after = await complete_when_back(engine, warm)

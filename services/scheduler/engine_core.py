@@ -365,7 +365,8 @@ class EngineCore:
         await self._announce_worker_availability(False)
         self.metrics.worker_lost()
         for request_id in failed:
-            self._fail_stream(request_id, f"the worker was lost: {error}")
+            # The error names the worker's address: it stays in the log above, not in a client's status.
+            self._fail_stream(request_id, "the worker was lost; retry the request")
         delay, longest = _RECOVERY_BACKOFF_S
         while True:
             try:

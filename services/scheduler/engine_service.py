@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ PUBLIC_FIELDS = {
     "stop_token_ids": "sampling.stop_token_ids",
     "logprobs": "sampling.logprobs",
 }
+log = logging.getLogger(__name__)
 _tracer = trace.get_tracer(__name__)
 
 
@@ -161,7 +163,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             code, details = status_of(error)
             if code == grpc.StatusCode.INVALID_ARGUMENT:  # bad chat messages: the message names the field
                 await context.abort(code, details)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"tokenizer: {code.name}: {details}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _tokenizer_failed(request_id, code, details))
         span.set_attribute("gen_ai.usage.input_tokens", len(prompt_ids))
 
         detokenizer = self._tokenizer.detokenizer(prompt_ids, tokenizer_id)
@@ -173,7 +175,7 @@ class EngineServicer(pb_grpc.EngineServicer):
         except (EngineUnavailable, TokenizerMismatch) as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         except grpc.RpcError as error:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"tokenizer: {status_of(error)[1]}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, _tokenizer_failed(request_id, *status_of(error)))
         finally:
             if not stream.finished:  # cancelled by the client, deadline, or an error above
                 for output in [*abandoned, self._engine.abort(request_id)]:
@@ -433,6 +435,13 @@ def eviction_attributes(batch: EvictionBatch) -> dict[str, int | list[str]]:
         "prefix_cache.block_hashes": [block_hash.hex() for block_hash in hashes],
         "prefix_cache.storing_request_ids": list(dict.fromkeys(batch.storing_request_ids)),
     }
+
+
+def _tokenizer_failed(request_id: str, code: grpc.StatusCode, details: str) -> str:
+    """The client's message for a failed tokenizer call. gRPC's details can name the tokenizer's
+    address, which stays in the scheduler's log."""
+    log.warning("request %s: tokenizer call failed: %s: %s", request_id, code.name, details)
+    return f"the tokenizer service failed ({code.name}); retry the request"
 
 
 def public_field(engine_field: str, request: pb.GenerateRequest) -> str:

@@ -36,8 +36,10 @@ def tokenizer() -> TextTokenizer:
 
 @contextlib.asynccontextmanager
 async def engine_api(tokenizer: TextTokenizer, num_kv_blocks: int = 256, max_model_len: int = 4096,
-                     worker_tokenizer_id: str = "") -> AsyncIterator[tuple[str, EngineCore]]:
-    """(Engine API address, its EngineCore): a tokenizer server and an Engine server on loopback."""
+                     worker_tokenizer_id: str = "", tokenizer_target: str | None = None,
+                     ) -> AsyncIterator[tuple[str, EngineCore]]:
+    """(Engine API address, its EngineCore): a tokenizer server and an Engine server on loopback.
+    `tokenizer_target` points the engine at another tokenizer address instead."""
     tokenizer_server, engine_server = aio.server(), aio.server()
     tokenizer_servicer(tokenizer).add_to_server(tokenizer_server)
     tokenizer_port = tokenizer_server.add_insecure_port("127.0.0.1:0")
@@ -46,7 +48,7 @@ async def engine_api(tokenizer: TextTokenizer, num_kv_blocks: int = 256, max_mod
                              max_model_len=max_model_len, tokenizer_id=worker_tokenizer_id)
     engine = EngineCore(SchedulerConfig(block_size=4, max_num_batched_tokens=64, max_model_len=max_model_len), worker)
     await engine.start()
-    tokenizer_client = TokenizerClient(f"127.0.0.1:{tokenizer_port}")
+    tokenizer_client = TokenizerClient(tokenizer_target or f"127.0.0.1:{tokenizer_port}")
     pb_grpc.add_EngineServicer_to_server(EngineServicer(engine, tokenizer_client), engine_server)
     engine_port = engine_server.add_insecure_port("127.0.0.1:0")
     await engine_server.start()
@@ -184,5 +186,28 @@ def test_a_tokenizer_of_another_model_is_refused_before_its_ids_reach_the_worker
         async with engine_api(tokenizer, worker_tokenizer_id=tokenizer.tokenizer_id) as (target, _engine), \
                 EngineClient(target) as client:
             assert len((await client.complete(build_request(**prompt, max_tokens=4))).token_ids) == 4
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+@pytest.mark.parametrize("prompt", [{"text": "Hello there"}, {"token_ids": PROMPT}], ids=["text", "token_ids"])
+def test_an_unreachable_tokenizer_is_unavailable_without_naming_its_address(tokenizer: TextTokenizer,
+                                                                            prompt: dict) -> None:
+    """gRPC's details for a refused connection carry the peer's address; clients get the status
+    code only, and the engine frees what the request held."""
+    from prefixcache.services.cli.launcher import free_port
+
+    dead_port = free_port()
+
+    async def main() -> None:
+        async with engine_api(tokenizer, tokenizer_target=f"127.0.0.1:{dead_port}") as (target, engine), \
+                EngineClient(target) as client:
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await client.complete(build_request(**prompt, max_tokens=4))
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+            details = failed.value.details()
+            assert "tokenizer service failed (UNAVAILABLE)" in details
+            assert str(dead_port) not in details and "127.0.0.1" not in details
+            assert engine.cache_stats().used_blocks == 0
 
     asyncio.run(asyncio.wait_for(main(), 60))
