@@ -1,6 +1,7 @@
 """The scheduler's view of the tokenizer service: prompts to ids, and per-request streaming text."""
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 from grpc import aio
@@ -70,12 +71,15 @@ class StreamingDetokenizer:
         """The text `token_ids` complete; with `last`, also whatever was held back."""
         if self._call is None:
             self._call = self._stub.DetokenizeStream()
-            first = pb.DetokenizeStreamRequest(
+            message = pb.DetokenizeStreamRequest(
                 token_ids=token_ids, prefix_token_ids=self._context, skip_special_tokens=True, last=last
             )
-            await self._call.write(first)
         else:
-            await self._call.write(pb.DetokenizeStreamRequest(token_ids=token_ids, last=last))
+            message = pb.DetokenizeStreamRequest(token_ids=token_ids, last=last)
+        try:
+            await self._call.write(message)
+        except asyncio.InvalidStateError:
+            pass  # the call has already ended (the tokenizer is gone): reading raises its status
         reply = await self._call.read()
         _check(reply.tokenizer_id, self._expected_tokenizer_id)
         return reply.text
