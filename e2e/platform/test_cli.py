@@ -107,6 +107,9 @@ def test_a_failed_call_exits_non_zero_with_the_status(target: str) -> None:
         ("--top-p", "1.5", "--top-p: must be in (0, 1], got 1.5"),
         ("--logprobs", "21", "--logprobs: must be in [1, 20], got 21"),
         ("--logprobs", "0", "--logprobs: must be in [1, 20], got 0"),
+        ("--stop", "", "--stop: must not be empty"),
+        ("--tenant", "", "--tenant: must not be empty"),
+        ("--cache-salt", "", "--cache-salt: must not be empty"),
     ],
 )
 def test_out_of_range_options_are_usage_errors_not_tracebacks(option: str, value: str, message: str) -> None:

@@ -47,6 +47,13 @@ def bounded_float(low: float, high: float = math.inf, *, low_open: bool = False)
     return parse
 
 
+def non_empty(text: str) -> str:
+    """An argparse type: any text but the empty string (which the server refuses for these fields)."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
 def text_file(path: str) -> str:
     """An argparse type: the contents of a UTF-8 text file, which must not be empty."""
     try:
@@ -72,14 +79,14 @@ def add_sampling(parser: argparse.ArgumentParser) -> None:
                        help="nucleus sampling mass in (0, 1] (default 1.0)")
     group.add_argument("--top-k", type=bounded_int(0, INT32_MAX), default=0, help="keep the k most likely tokens (0: off)")
     group.add_argument("--seed", type=bounded_int(0, UINT64_MAX), help="per-request seed for reproducible sampling")
-    group.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    group.add_argument("--stop", action="append", type=non_empty, default=[], metavar="TEXT", help="stop string (repeatable)")
     group.add_argument("--stop-token-id", action="append", type=bounded_int(0, UINT32_MAX), default=[], metavar="ID",
                        help="stop token id (repeatable)")
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     isolation = parser.add_mutually_exclusive_group()
-    isolation.add_argument("--cache-salt", help="share cached prefixes only with requests using this salt "
+    isolation.add_argument("--cache-salt", type=non_empty, help="share cached prefixes only with requests using this salt "
                            f"(default: ${CACHE_SALT_ENV}, which other users' `ps` cannot see)")
-    isolation.add_argument("--tenant", help="share cached prefixes only within this tenant (salt derived server-side)")
+    isolation.add_argument("--tenant", type=non_empty, help="share cached prefixes only within this tenant (salt derived server-side)")
     parser.add_argument("--lora-adapter", default="", help="LoRA adapter name (default: the base model)")
 
 
