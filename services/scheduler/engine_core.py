@@ -172,9 +172,8 @@ class EngineCore:
         Leaving the iteration early (closed, or cancelled while waiting) aborts the request; every
         output nobody read, the abort's included, goes to `on_abandon`: they may carry the cache
         account of a request cancelled before its first token, and its evictions."""
-        if not self._serving or self._scheduler is None:
-            raise EngineUnavailable("the engine is stopping" if self._stopping else "the worker is not available")
-        self._validate(request)
+        self.validate(request)
+        assert self._scheduler is not None
         if self._scheduler.num_waiting >= self.config.max_waiting:
             raise QueueFull(f"{self._scheduler.num_waiting} requests are waiting (max_waiting={self.config.max_waiting})")
         self._scheduler.add_request(request)
@@ -224,7 +223,11 @@ class EngineCore:
             self._wakeup.set()  # tell the worker to drop it
         return output
 
-    def _validate(self, request: EngineRequest) -> None:
+    def validate(self, request: EngineRequest) -> None:
+        """Raise EngineUnavailable, or RequestRejected if the request cannot run on this worker
+        (add_request checks too)."""
+        if not self._serving or self._scheduler is None:
+            raise EngineUnavailable("the engine is stopping" if self._stopping else "the worker is not available")
         if request.request_id in self._streams:
             raise RequestRejected("request_id", f"{quoted(request.request_id)} is already in flight")
         self._check_fits_worker(request)

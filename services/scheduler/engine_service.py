@@ -148,8 +148,16 @@ class EngineServicer(pb_grpc.EngineServicer):
             tokenizer_id = self._expected_tokenizer_id()  # the same for the prompt and the reply
             prompt_ids = await self._prompt_ids(request, tokenizer_id)
             engine_request = self._engine_request(request_id, request, prompt_ids)
+            detokenizer = self._tokenizer.detokenizer(prompt_ids, tokenizer_id)
+            if request.WhichOneof("prompt") == "token_ids":  # the tokenizer is checked before the prefill
+                self._engine.validate(engine_request)  # the ids, before the tokenizer sees them
+                await detokenizer.open()
             abandoned: list[RequestOutput] = []  # outputs never read, if the engine saw the call leave first
-            outputs = self._engine.add_request(engine_request, on_abandon=abandoned.append)
+            try:
+                outputs = self._engine.add_request(engine_request, on_abandon=abandoned.append)
+            except Exception:
+                await detokenizer.close()
+                raise
         except InvalidRequest as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except RequestRejected as error:
@@ -166,7 +174,6 @@ class EngineServicer(pb_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, _tokenizer_failed(request_id, code, details))
         span.set_attribute("gen_ai.usage.input_tokens", len(prompt_ids))
 
-        detokenizer = self._tokenizer.detokenizer(prompt_ids, tokenizer_id)
         stream = _Stream(request_id, self._engine, detokenizer, list(request.sampling.stop))
         self._request_spans.add(request_id, span)
         try:

@@ -67,6 +67,15 @@ class StreamingDetokenizer:
         self._expected_tokenizer_id = expected_tokenizer_id
         self._call: aio.StreamStreamCall | None = None
 
+    async def open(self) -> None:
+        """Start the stream now, sending only the prompt's context, and check which tokenizer answers
+        (a token-id prompt has not been near the tokenizer before its reply)."""
+        try:
+            await self.push(())
+        except BaseException:
+            await self.close()
+            raise
+
     async def push(self, token_ids: Sequence[int], last: bool = False) -> str:
         """The text `token_ids` complete; with `last`, also whatever was held back."""
         if self._call is None:

@@ -172,7 +172,8 @@ def test_errors_quote_a_long_value_only_in_part(tokenizer: TextTokenizer) -> Non
 @pytest.mark.parametrize("prompt", [{"text": "Hello there"}, {"token_ids": PROMPT}], ids=["text", "token_ids"])
 def test_a_tokenizer_of_another_model_is_refused_before_its_ids_reach_the_worker(tokenizer: TextTokenizer,
                                                                                  prompt: dict) -> None:
-    """Text is tokenized, token ids only detokenized: either way the tokenizer's id is checked."""
+    """Text is tokenized, token ids only detokenized: either way the tokenizer's id is checked before
+    the prompt reaches the worker (no cache lookup counted it)."""
     other_model = "sha256:00000000000000ff"
 
     async def main() -> None:
@@ -182,7 +183,7 @@ def test_a_tokenizer_of_another_model_is_refused_before_its_ids_reach_the_worker
                 await client.complete(build_request(**prompt, max_tokens=4))
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
             assert tokenizer.tokenizer_id in refused.value.details() and other_model in refused.value.details()
-            assert engine.cache_stats().used_blocks == 0
+            assert engine.cache_stats().used_blocks == 0 and engine.cache_stats().queries == 0
         async with engine_api(tokenizer, worker_tokenizer_id=tokenizer.tokenizer_id) as (target, _engine), \
                 EngineClient(target) as client:
             assert len((await client.complete(build_request(**prompt, max_tokens=4))).token_ids) == 4
@@ -208,6 +209,7 @@ def test_an_unreachable_tokenizer_is_unavailable_without_naming_its_address(toke
             details = failed.value.details()
             assert "tokenizer service failed (UNAVAILABLE)" in details
             assert str(dead_port) not in details and "127.0.0.1" not in details
-            assert engine.cache_stats().used_blocks == 0
+            # Found before the prompt was scheduled: no cache lookup counted it.
+            assert engine.cache_stats().used_blocks == 0 and engine.cache_stats().queries == 0
 
     asyncio.run(asyncio.wait_for(main(), 60))

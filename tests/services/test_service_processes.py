@@ -121,9 +121,9 @@ def test_the_engine_reports_not_serving_while_its_worker_is_replaced(model_dir: 
     """Health of the Engine service follows the worker; the process's own ("") stays SERVING, so a
     liveness probe leaves the scheduler alone while a readiness probe on the Engine turns traffic away."""
     engine_service = "prefixcache.engine.v1.Engine"
-    worker_port, engine_port = free_port(), free_port()
+    worker_port, engine_port, tokenizer_port = free_port(), free_port(), free_port()
     engine = f"127.0.0.1:{engine_port}"
-    logs = [(tmp_path / name).open("wb") for name in ("worker-1.log", "scheduler.log", "worker-2.log")]
+    logs = [(tmp_path / name).open("wb") for name in ("worker-1.log", "scheduler.log", "tokenizer.log", "worker-2.log")]
 
     def start(log, *args: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "prefixcache.services.cli.main", *args],
@@ -144,7 +144,7 @@ def test_the_engine_reports_not_serving_while_its_worker_is_replaced(model_dir: 
             await asyncio.sleep(0.1)
 
     async def generate_once() -> None:
-        # Token ids need no tokenizer to be scheduled; the step on the dead worker is what reveals it.
+        # The step on the dead worker is what reveals it.
         async with open_channel(engine) as channel:
             call = engine_pb2_grpc.EngineStub(channel).Generate(
                 engine_pb2.GenerateRequest(token_ids=engine_pb2.TokenIds(ids=[1, 2, 3])), timeout=30)
@@ -154,15 +154,18 @@ def test_the_engine_reports_not_serving_while_its_worker_is_replaced(model_dir: 
 
     processes = [start_worker(logs[0]),
                  start(logs[1], "scheduler", "--host", "127.0.0.1", "--port", str(engine_port),
-                       "--tokenizer", f"127.0.0.1:{free_port()}", "--worker", f"127.0.0.1:{worker_port}")]
+                       "--tokenizer", f"127.0.0.1:{tokenizer_port}", "--worker", f"127.0.0.1:{worker_port}"),
+                 start(logs[2], "tokenizer", "--host", "127.0.0.1", "--port", str(tokenizer_port),
+                       "--model-dir", str(model_dir))]
     try:
         asyncio.run(until(engine_service, True, timeout_s=120))
+        asyncio.run(wait_until_serving(f"127.0.0.1:{tokenizer_port}", timeout_s=60))  # a token-id prompt's reply needs it
         processes[0].kill()
         processes[0].wait()
         asyncio.run(generate_once())
         asyncio.run(until(engine_service, False, timeout_s=30))
         assert asyncio.run(engine_health(""))
-        processes.append(start_worker(logs[2]))
+        processes.append(start_worker(logs[3]))
         asyncio.run(until(engine_service, True, timeout_s=120))
     finally:
         for process in processes:
