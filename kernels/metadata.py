@@ -21,7 +21,6 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_seqs] int32: context length including this step's tokens
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, rows padded with 0
     max_query_len: int
-    max_seq_len: int
     # Host-side copies, so that CPU code paths never read device tensors back; derived when not given.
     query_lens_list: list[int] | None = None
     seq_lens_list: list[int] | None = None
@@ -68,7 +67,6 @@ class AttentionMetadata:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
             block_tables=torch.tensor(padded_tables, dtype=torch.int32, device=device).view(len(seq_lens), width),
             max_query_len=max(query_lens, default=0),
-            max_seq_len=max(seq_lens, default=0),
             query_lens_list=list(query_lens),
             seq_lens_list=list(seq_lens),
         )

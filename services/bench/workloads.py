@@ -27,7 +27,7 @@ class BenchRequest:
     prompt_token_ids: tuple[int, ...]
     max_tokens: int
     tenant: int  # index into the run's tenant salts, 0 <= tenant < WorkloadOptions.tenants
-    arrival_s: float  # offset from the start of the run at which the request may be sent
+    arrival_s: float = 0.0  # offset from the start of the run at which the request may be sent (`generate`)
     after: str | None = None  # request id that must finish first (the previous turn of a conversation)
 
 
@@ -113,21 +113,24 @@ def _rng(workload: str, seed: int) -> random.Random:
     return random.Random(f"{workload}:{seed}")
 
 
+def _one_turn_requests(workload: str, count: int, options: WorkloadOptions,
+                       prompt: Callable[[int], tuple[int, ...]]) -> list[BenchRequest]:
+    """`count` independent requests, request i with `prompt(i)` (called in order, so seeded draws
+    stay in the same order) and tenant i modulo the tenant count."""
+    return [
+        BenchRequest(request_id=f"{workload}-{i}", prompt_token_ids=prompt(i), max_tokens=options.output_len,
+                     tenant=i % options.tenants)
+        for i in range(count)
+    ]
+
+
 def shared_system_prompt(options: WorkloadOptions) -> list[BenchRequest]:
     """One long system prompt shared by every request, then a varied user turn."""
     rng = _rng("shared-system-prompt", options.seed)
     tokens = _Tokens(rng, options)
     system = tokens(options.prefix_len)
-    return [
-        BenchRequest(
-            request_id=f"shared-system-prompt-{i}",
-            prompt_token_ids=system + tokens(options.suffix_len.draw(rng)),
-            max_tokens=options.output_len,
-            tenant=i % options.tenants,
-            arrival_s=0.0,
-        )
-        for i in range(options.num_requests)
-    ]
+    return _one_turn_requests("shared-system-prompt", options.num_requests, options,
+                              lambda _: system + tokens(options.suffix_len.draw(rng)))
 
 
 def multi_turn(options: WorkloadOptions) -> list[BenchRequest]:
@@ -156,7 +159,6 @@ def multi_turn(options: WorkloadOptions) -> list[BenchRequest]:
                     prompt_token_ids=prompt,
                     max_tokens=options.output_len,
                     tenant=index % options.tenants,
-                    arrival_s=0.0,
                     after=conversation[-1].request_id if conversation else None,
                 )
             )
@@ -180,32 +182,16 @@ def few_shot(options: WorkloadOptions) -> list[BenchRequest]:
     tokens = _Tokens(rng, options)
     base, extra = divmod(options.prefix_len, options.few_shot_examples)
     examples = tuple(t for k in range(options.few_shot_examples) for t in tokens(base + (k < extra)))
-    return [
-        BenchRequest(
-            request_id=f"few-shot-{i}",
-            prompt_token_ids=examples + tokens(options.suffix_len.draw(rng)),
-            max_tokens=options.output_len,
-            tenant=i % options.tenants,
-            arrival_s=0.0,
-        )
-        for i in range(options.num_requests)
-    ]
+    return _one_turn_requests("few-shot", options.num_requests, options,
+                              lambda _: examples + tokens(options.suffix_len.draw(rng)))
 
 
 def unique(options: WorkloadOptions) -> list[BenchRequest]:
     """Prompts that share nothing, as long as the shared-system-prompt ones (prefix + suffix)."""
     rng = _rng("unique", options.seed)
     tokens = _Tokens(rng, options)
-    return [
-        BenchRequest(
-            request_id=f"unique-{i}",
-            prompt_token_ids=tokens(options.prefix_len + options.suffix_len.draw(rng)),
-            max_tokens=options.output_len,
-            tenant=i % options.tenants,
-            arrival_s=0.0,
-        )
-        for i in range(options.num_requests)
-    ]
+    return _one_turn_requests("unique", options.num_requests, options,
+                              lambda _: tokens(options.prefix_len + options.suffix_len.draw(rng)))
 
 
 def thrash(options: WorkloadOptions) -> list[BenchRequest]:
@@ -218,16 +204,8 @@ def thrash(options: WorkloadOptions) -> list[BenchRequest]:
     rng = _rng("thrash", options.seed)
     tokens = _Tokens(rng, options)
     prefixes = [tokens(options.prefix_len) for _ in range(options.thrash_prefixes)]
-    return [
-        BenchRequest(
-            request_id=f"thrash-{i}",
-            prompt_token_ids=prefixes[i % len(prefixes)] + tokens(options.suffix_len.draw(rng)),
-            max_tokens=options.output_len,
-            tenant=i % options.tenants,
-            arrival_s=0.0,
-        )
-        for i in range(options.num_thrash_requests)
-    ]
+    return _one_turn_requests("thrash", options.num_thrash_requests, options,
+                              lambda i: prefixes[i % len(prefixes)] + tokens(options.suffix_len.draw(rng)))
 
 
 GENERATORS: dict[str, Callable[[WorkloadOptions], list[BenchRequest]]] = {

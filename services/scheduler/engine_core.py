@@ -10,8 +10,8 @@ initialized again, with backoff, before new requests are admitted. Requests that
 yet wait for that worker and then run from the start: their clients never see the loss (a worker
 restarted while the engine was idle is only noticed by the next request's step).
 
-Pure asyncio: the transport lives in the `StepExecutor` (the gRPC worker client, or the in-process
-adapter in `inprocess_executor`).
+Pure asyncio: the transport lives in the `StepExecutor` (the gRPC worker client, or
+`local_executor.LocalExecutor` over a model runner in this process).
 """
 from __future__ import annotations
 
@@ -305,14 +305,8 @@ class EngineCore:
         hasher = BlockHasher(self.config.block_size, self.config.hash_algo, info.model_id)
         kv_cache = KVCacheManager(info.num_kv_blocks, hasher, enable_caching=self.config.enable_prefix_caching)
         counters = self._scheduler.counters if self._scheduler else None
-        self._scheduler = Scheduler(
-            self.config,
-            kv_cache,
-            info.eos_token_ids,
-            min(self.config.max_model_len, info.max_model_len),
-            counters,
-        )
         self._worker_info = info
+        self._scheduler = Scheduler(self.config, kv_cache, info.eos_token_ids, self.max_model_len, counters)
         self.metrics.bind(self._scheduler, held=lambda: len(self._held))
 
     async def _step_loop(self) -> None:

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import grpc
 from grpc import aio
-from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from prefixcache.protos.engine.v1 import engine_pb2 as pb
@@ -248,7 +247,6 @@ class EngineServicer(pb_grpc.EngineServicer):
             stop_token_ids=tuple(options.stop_token_ids),
             ignore_eos=options.ignore_eos,
             extras=BlockExtras(lora_name=request.lora_adapter or None, cache_salt=salt),
-            trace_context=otel_context.get_current(),
         )
 
     def _capacity_tokens(self) -> int:
@@ -416,7 +414,7 @@ class _Stream:
         if self.account is not None:
             span.set_attribute("prefix_cache.blocks_queried", self.account.queried_blocks)
             span.set_attribute("prefix_cache.blocks_matched", self.account.hit_blocks)
-            span.set_attribute("prefix_cache.miss_reason", self.account.stop_reason)
+            span.set_attribute("prefix_cache.miss_reason", self.account.miss_reason)
         for batch in self.evictions:
             span.add_event("prefix_cache.eviction", eviction_attributes(batch), timestamp=batch.evicted_at_ns)
 
@@ -464,7 +462,7 @@ def account_to_proto(account: CacheAccount) -> pb.CacheAccount:
         hit_tokens=account.hit_tokens,
         capped_tokens=account.capped_tokens,
         partial_tail_tokens=account.partial_tail_tokens,
-        miss_reason=account.stop_reason,
+        miss_reason=account.miss_reason,
         queried_blocks=account.queried_blocks,
         hit_blocks=account.hit_blocks,
     )

@@ -1,4 +1,4 @@
-"""Run steps on a model runner in this process: the single-process mode, and tests with a real model.
+"""Run steps on a model runner in this process (the engine's tests with a real model).
 
 The runner is used through the methods of `prefixcache.services.worker.model_runner.ModelRunner`
 (describe, num_blocks_for_memory, initialize_kv_cache, execute), so this module imports no torch.
@@ -47,6 +47,7 @@ class LocalExecutor:
             num_kv_blocks=num_blocks,
             eos_token_ids=tuple(description.eos_token_ids),
             dtype=description.dtype,
+            tokenizer_id=description.tokenizer_id,
         )
 
     async def execute(self, step: SchedulerStep) -> StepOutput:

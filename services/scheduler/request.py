@@ -26,7 +26,6 @@ class EngineRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     extras: BlockExtras = field(default_factory=BlockExtras)  # LoRA, multimodal items, cache salt
-    trace_context: object | None = None  # OpenTelemetry context of the caller's span; carried, never read
 
 
 @dataclass(frozen=True)
@@ -75,7 +74,6 @@ class Request:
     # The lookup at the first admission; a re-admission after preemption does not change what the
     # client is told was cached.
     cache_account: CacheAccount | None = None
-    cached_tokens: int = 0
     num_preemptions: int = 0
     known_to_worker: bool = False  # the worker holds its state (sent as new, not yet dropped)
     sent_first_output: bool = False
@@ -105,7 +103,8 @@ class Request:
 
     @property
     def usage(self) -> Usage:
-        return Usage(self.prompt_len, self.cached_tokens, len(self.output_token_ids))
+        cached_tokens = self.cache_account.hit_tokens if self.cache_account is not None else 0
+        return Usage(self.prompt_len, cached_tokens, len(self.output_token_ids))
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

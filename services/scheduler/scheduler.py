@@ -74,7 +74,6 @@ class SchedulerCounters:
     evictions: int = 0  # cached blocks whose hash was dropped to make room
     preemptions: int = 0
     steps: int = 0
-    scheduled_tokens: int = 0
 
 
 class Scheduler:
@@ -135,7 +134,6 @@ class Scheduler:
             self._admit_waiting(step, budget)
         self._collect_evictions()
         self.counters.steps += 1
-        self.counters.scheduled_tokens += step.total_scheduled_tokens
         return step
 
     def _schedule_running(self, step: SchedulerStep, budget: int) -> tuple[int, bool]:
@@ -180,8 +178,7 @@ class Scheduler:
             request.kv.num_computed_tokens = num_hit_tokens
             if request.cache_account is None:
                 request.cache_account = account
-                request.cached_tokens = num_hit_tokens
-            if not counted and account.stop_reason != "disabled":
+            if not counted and account.miss_reason != "disabled":
                 self.counters.queried_tokens += account.queried_tokens
                 self.counters.hit_tokens += num_hit_tokens
             self.counters.admissions += 1

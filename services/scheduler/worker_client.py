@@ -48,7 +48,6 @@ class GrpcStepExecutor:
         self._stub = pb_grpc.WorkerStub(self._channel)
         self._step_timeout_s = step_timeout_s
         self._init_timeout_s = init_timeout_s
-        self.description: pb.ModelDescription | None = None
 
     async def initialize(self, block_size: int) -> WorkerInfo:
         try:
@@ -57,7 +56,6 @@ class GrpcStepExecutor:
             )
         except grpc.RpcError as error:
             raise self._translate(error) from error
-        self.description = reply.model
         return WorkerInfo(
             model_id=reply.model.model_id,
             vocab_size=reply.model.vocab_size,

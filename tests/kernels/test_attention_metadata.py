@@ -21,7 +21,7 @@ def test_build_maps_new_tokens_to_their_slots_and_packs_the_batch():
     assert meta.seq_lens.tolist() == [8, 2, 5]
     assert meta.block_tables.tolist() == [[7, 2], [3, 0], [5, 0]]
     assert meta.block_tables.dtype == meta.query_start_loc.dtype == meta.seq_lens.dtype == torch.int32
-    assert (meta.max_query_len, meta.max_seq_len, meta.num_seqs, meta.num_tokens) == (3, 8, 3, 6)
+    assert (meta.max_query_len, meta.num_seqs, meta.num_tokens) == (3, 3, 6)
 
 
 def test_direct_construction_derives_the_host_lists():
@@ -31,7 +31,6 @@ def test_direct_construction_derives_the_host_lists():
         seq_lens=torch.tensor([7, 5], dtype=torch.int32),
         block_tables=torch.tensor([[7, 2], [5, 0]], dtype=torch.int32),
         max_query_len=2,
-        max_seq_len=7,
     )
     assert meta.query_lens_list == [2, 1]
     assert meta.seq_lens_list == [7, 5]

@@ -34,7 +34,7 @@ def test_prefill_then_free_orders_the_free_queue():
     a = KVRequest("a", list(range(100, 110)))  # 2 full blocks + 2 tokens
     hits, new, account = admit(m, a)
     assert (hits, new) == ([], [0, 1, 2])
-    assert account.stop_reason == "cold" and account.partial_tail_tokens == 2
+    assert account.miss_reason == "cold" and account.partial_tail_tokens == 2
     assert m.free_block_ids() == [3, 4, 5, 6, 7, 8, 9]
     assert m.stats().cached_blocks == 2
     m.free("a")
@@ -43,7 +43,7 @@ def test_prefill_then_free_orders_the_free_queue():
     b = KVRequest("b", list(range(100, 108)) + [50, 51, 52])
     hits, new, account = admit(m, b)
     assert (hits, new) == ([0, 1], [2])
-    assert (account.hit_tokens, account.queried_tokens, account.stop_reason) == (8, 11, "full_hit")
+    assert (account.hit_tokens, account.queried_tokens, account.miss_reason) == (8, 11, "full_hit")
     assert m.get_block_ids("b") == [0, 1, 2]
     assert m.free_block_ids() == [3, 4, 5, 6, 7, 8, 9]
     stats = m.stats()
@@ -64,7 +64,7 @@ def test_eviction_is_lru_and_takes_a_requests_tail_first():
     assert m.drain_events() == []
     hits, account = m.get_computed_blocks(KVRequest("a2", list(range(12))))
     assert hits == [0, 1]
-    assert (account.hit_tokens, account.capped_tokens, account.stop_reason) == (8, 0, "evicted")
+    assert (account.hit_tokens, account.capped_tokens, account.miss_reason) == (8, 0, "evicted")
     assert m.stats().evictions == 1
 
 
@@ -77,12 +77,12 @@ def test_seed_shared_system_prompt_repeat_lora_and_empty():
     hits, account = m.get_computed_blocks(KVRequest("b", system + [9] * 200))
     assert (len(hits), account.hit_tokens) == (62, 992)
     hits, account = m.get_computed_blocks(KVRequest("a-again", system + [7] * 200))
-    assert (account.hit_tokens, account.capped_tokens, account.stop_reason) == (1184, 16, "full_hit")
+    assert (account.hit_tokens, account.capped_tokens, account.miss_reason) == (1184, 16, "full_hit")
     assert hits == list(range(74))
     _, account = m.get_computed_blocks(KVRequest("lora", system + [7] * 200, BlockExtras(lora_name="x")))
-    assert (account.hit_tokens, account.stop_reason) == (0, "cold")
+    assert (account.hit_tokens, account.miss_reason) == (0, "cold")
     hits, account = m.get_computed_blocks(KVRequest("empty", []))
-    assert (hits, account.hit_tokens, account.stop_reason, account.queried_blocks) == ([], 0, "no_full_block", 0)
+    assert (hits, account.hit_tokens, account.miss_reason, account.queried_blocks) == ([], 0, "no_full_block", 0)
 
 
 def test_seed_lcp_arrays_with_block_size_four():
@@ -102,7 +102,7 @@ def test_full_hit_recomputes_the_whole_last_block():
     m.free("a")
     hits, account = m.get_computed_blocks(KVRequest("b", list(range(8))))
     assert hits == [0]
-    assert (account.hit_tokens, account.capped_tokens, account.partial_tail_tokens, account.stop_reason,
+    assert (account.hit_tokens, account.capped_tokens, account.partial_tail_tokens, account.miss_reason,
             account.hit_blocks, account.queried_blocks) == (4, 4, 0, "full_hit", 1, 2)
 
 
@@ -229,14 +229,14 @@ def test_reset_refuses_while_blocks_are_held_then_forgets_everything():
     assert [(e.block_id, e.evicting_request_id, e.storing_request_id, e.reason) for e in events] == [
         (0, None, "a", "reset"), (1, None, "a", "reset")]
     hits, account = m.get_computed_blocks(KVRequest("b", list(range(8))))
-    assert (hits, account.stop_reason) == ([], "evicted")
+    assert (hits, account.miss_reason) == ([], "evicted")
 
 
 def test_disabled_caching_hashes_nothing_and_reuses_freed_blocks_first():
     m = manager(enable_caching=False)
     a = KVRequest("a", list(range(9)))
     hits, new, account = admit(m, a)
-    assert (hits, new, account.stop_reason, a.block_hashes) == ([], [0, 1, 2], "disabled", [])
+    assert (hits, new, account.miss_reason, a.block_hashes) == ([], [0, 1, 2], "disabled", [])
     m.free("a")
     assert m.free_block_ids() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
     hits, new, account = admit(m, KVRequest("b", list(range(9))))

@@ -83,7 +83,7 @@ def test_a_shared_prefix_is_served_from_the_cache_with_the_same_output(caching):
         usage = outputs[-1].usage
         assert usage.prompt_tokens == 43
         assert usage.cached_tokens == (40 if caching else 0)
-        assert outputs[0].cache_account.stop_reason == ("full_hit" if caching else "disabled") or not caching
+        assert outputs[0].cache_account.miss_reason == ("full_hit" if caching else "disabled") or not caching
 
     run(body, enable_prefix_caching=caching)
 
@@ -156,7 +156,7 @@ def test_a_request_ended_before_its_first_output_hands_back_its_cache_account_an
                 await reader
             [output] = abandoned
         assert output.finished and output.finish_reason == "abort" and output.new_token_ids == []
-        assert output.cache_account is not None and output.cache_account.stop_reason == "cold"
+        assert output.cache_account is not None and output.cache_account.miss_reason == "cold"
         evicted = [event for batch in output.evictions for event in batch]
         assert evicted and {event.storing_request_id for event in evicted} == {"filler"}
         assert {event.evicting_request_id for event in evicted} == {"late"}

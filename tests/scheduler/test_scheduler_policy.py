@@ -114,7 +114,7 @@ def test_admission_takes_the_cached_prefix_and_computes_only_the_rest():
     scheduler.add_request(request("a", shared + [1, 2], max_tokens=1))
     first = run_to_completion(scheduler)
     assert first[-1].usage.cached_tokens == 0
-    assert first[0].cache_account.stop_reason == "cold"
+    assert first[0].cache_account.miss_reason == "cold"
     a_blocks = [0, 1]
 
     scheduler.add_request(request("b", shared + [3, 4, 5], max_tokens=3))

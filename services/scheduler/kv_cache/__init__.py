@@ -10,8 +10,8 @@ from prefixcache.services.scheduler.kv_cache.manager import (
     CacheStats,
     KVCacheManager,
     KVRequest,
-    StopReason,
+    MissReason,
 )
 
 __all__ = ["BlockPool", "CacheAccount", "CacheStats", "EvictionBatch", "EvictionEvent", "FreeBlockQueue",
-           "KVCacheManager", "KVRequest", "StopReason"]
+           "KVCacheManager", "KVRequest", "MissReason"]

@@ -22,7 +22,7 @@ from typing import Literal
 from prefixcache.services.common.block_identity import NO_EXTRAS, BlockExtras, BlockHash, BlockHasher
 from prefixcache.services.scheduler.kv_cache.block_pool import BlockPool, EvictionBatch
 
-StopReason = Literal["cold", "evicted", "full_hit", "disabled", "no_full_block"]
+MissReason = Literal["cold", "evicted", "full_hit", "disabled", "no_full_block"]
 
 
 @dataclass
@@ -51,7 +51,7 @@ class KVRequest:
 class CacheAccount:
     """Why a lookup hit what it hit. All counts are for one lookup of one request.
 
-    stop_reason: `full_hit` every full block was cached; `cold` the first missing block was never
+    miss_reason: `full_hit` every full block was cached; `cold` the first missing block was never
     cached (or was evicted too long ago to remember); `evicted` it was cached and recently
     evicted; `no_full_block` the prompt is shorter than one block; `disabled` caching is off.
     """
@@ -60,7 +60,7 @@ class CacheAccount:
     hit_tokens: int  # tokens whose KV is reused
     capped_tokens: int  # cached, but recomputed because the last token must run (whole last block)
     partial_tail_tokens: int  # tokens after the last full block: never cached
-    stop_reason: StopReason
+    miss_reason: MissReason
     hit_blocks: int
     queried_blocks: int  # full blocks looked up
 
@@ -78,10 +78,6 @@ class CacheStats:
     hits: int
     evictions: int
     events_dropped: int  # eviction events lost because nobody drained them
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
 
 
 class KVCacheManager:
@@ -150,7 +146,7 @@ class KVCacheManager:
         # The last token must run to produce logits, so at most (num_tokens - 1) tokens hit.
         num_hit = min(num_found, (num_tokens - 1) // block_size)
         if num_found == num_full:
-            reason: StopReason = "full_hit"
+            reason: MissReason = "full_hit"
         elif self._pool.was_evicted(hashes[num_found]):
             reason = "evicted"
         else:
