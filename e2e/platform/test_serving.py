@@ -189,7 +189,8 @@ def test_multimodal_items_for_a_text_only_model(target: str) -> None:
 def test_a_full_waiting_queue_is_resource_exhausted(target: str) -> None:
     # At most 16 arrivals wait for admission (max-waiting); the rest are refused, not queued. How many
     # the step loop admits while the burst arrives varies, but the 16 waiting slots are always usable.
-    # Token-id prompts skip the tokenizer, so the burst arrives at once.
+    # Token-id prompts need no tokenizing (only a short handshake opening their detokenize stream), so the
+    # burst arrives nearly at once.
     async def one(engine: EngineClient, n: int) -> grpc.StatusCode:
         request = build_request(token_ids=[1, 2, 3, 100 + n], max_tokens=8, temperature=0.0, ignore_eos=True)
         try:

@@ -168,8 +168,8 @@ class EngineServicer(pb_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         except grpc.RpcError as error:  # from the tokenizer service
             code, details = status_of(error)
-            if code == grpc.StatusCode.INVALID_ARGUMENT:  # bad chat messages: the message names the field
-                await context.abort(code, details)
+            if code == grpc.StatusCode.INVALID_ARGUMENT and request.WhichOneof("prompt") == "chat":
+                await context.abort(code, details)  # bad chat messages: the message names the field
             await context.abort(grpc.StatusCode.UNAVAILABLE, _tokenizer_failed(request_id, code, details))
         span.set_attribute("gen_ai.usage.input_tokens", len(prompt_ids))
 

@@ -10,14 +10,14 @@ class StopStringMatcher:
     Only the text that could be the start of a stop string is held back: the longest end of the
     text that some stop string begins with, until a later piece completes or rules out the match.
     On a match the text ends just before it (the match is not included) and `stopped` turns true;
-    later pieces yield nothing.
+    later pieces yield nothing. The work per piece is linear in its length, however long the stop
+    strings are (a client chooses them).
     """
 
     def __init__(self, stops: Sequence[str]):
         if any(not stop for stop in stops):
             raise ValueError("stop strings must not be empty")
-        self._stops = tuple(stops)
-        self._longest_partial = max((len(stop) for stop in stops), default=1) - 1
+        self._automata = [_PrefixAutomaton(stop) for stop in stops]
         self._text = ""
         self._emitted = 0  # characters of _text already returned
         self.stopped = False
@@ -26,25 +26,49 @@ class StopStringMatcher:
         """Add `piece`; `final` releases everything held (the stream ends)."""
         if self.stopped:
             return ""
+        base = len(self._text)
         self._text += piece
-        # A match ends inside the new piece; what came before it was a partial match, held back.
-        start = max(self._emitted, len(self._text) - len(piece) - self._longest_partial)
-        matches = [i for i in (self._text.find(stop, start) for stop in self._stops) if i >= 0]
-        if matches:
-            self._text = self._text[: min(matches)]
+        match_starts = [base + end + 1 - len(automaton.stop)
+                        for automaton in self._automata if (end := automaton.feed(piece)) is not None]
+        if match_starts:
+            self._text = self._text[: min(match_starts)]
             self.stopped = final = True
-        end = len(self._text) if final else len(self._text) - self._partial_match_length()
+        held = 0 if final else max((automaton.matched for automaton in self._automata), default=0)
+        end = len(self._text) - held
         if end <= self._emitted:
             return ""
         released = self._text[self._emitted : end]
         self._emitted = end
         return released
 
-    def _partial_match_length(self) -> int:
-        """Length of the longest unsent end of the text that a stop string starts with."""
-        text = self._text
-        for length in range(min(self._longest_partial, len(text) - self._emitted), 0, -1):
-            tail = text[-length:]
-            if any(stop.startswith(tail) for stop in self._stops):
-                return length
-        return 0
+
+class _PrefixAutomaton:
+    """Knuth-Morris-Pratt matching of one stop string over text fed piece by piece: `matched` is the
+    length of the longest end of the text so far that the stop string starts with."""
+
+    def __init__(self, stop: str):
+        self.stop = stop
+        self.matched = 0
+        # fallback[i]: the longest proper prefix of stop[: i + 1] that is also its suffix.
+        self._fallback = [0] * len(stop)
+        length = 0
+        for i in range(1, len(stop)):
+            while length and stop[i] != stop[length]:
+                length = self._fallback[length - 1]
+            if stop[i] == stop[length]:
+                length += 1
+            self._fallback[i] = length
+
+    def feed(self, piece: str) -> int | None:
+        """Advance over `piece`; the index in it where the stop string first ends, if it does."""
+        stop, fallback, matched = self.stop, self._fallback, self.matched
+        for index, char in enumerate(piece):
+            while matched and stop[matched] != char:
+                matched = fallback[matched - 1]
+            if stop[matched] == char:
+                matched += 1
+                if matched == len(stop):
+                    self.matched = fallback[matched - 1]
+                    return index
+        self.matched = matched
+        return None

@@ -37,15 +37,15 @@ def tokenizer() -> TextTokenizer:
 @contextlib.asynccontextmanager
 async def engine_api(tokenizer: TextTokenizer, num_kv_blocks: int = 256, max_model_len: int = 4096,
                      worker_tokenizer_id: str = "", tokenizer_target: str | None = None,
-                     ) -> AsyncIterator[tuple[str, EngineCore]]:
+                     worker_vocab_size: int | None = None) -> AsyncIterator[tuple[str, EngineCore]]:
     """(Engine API address, its EngineCore): a tokenizer server and an Engine server on loopback.
     `tokenizer_target` points the engine at another tokenizer address instead."""
     tokenizer_server, engine_server = aio.server(), aio.server()
     tokenizer_servicer(tokenizer).add_to_server(tokenizer_server)
     tokenizer_port = tokenizer_server.add_insecure_port("127.0.0.1:0")
     await tokenizer_server.start()
-    worker = SimulatedWorker(num_kv_blocks=num_kv_blocks, vocab_size=tokenizer.vocab_size, eos_token_ids=SPECIAL_IDS,
-                             max_model_len=max_model_len, tokenizer_id=worker_tokenizer_id)
+    worker = SimulatedWorker(num_kv_blocks=num_kv_blocks, vocab_size=worker_vocab_size or tokenizer.vocab_size,
+                             eos_token_ids=SPECIAL_IDS, max_model_len=max_model_len, tokenizer_id=worker_tokenizer_id)
     engine = EngineCore(SchedulerConfig(block_size=4, max_num_batched_tokens=64, max_model_len=max_model_len), worker)
     await engine.start()
     tokenizer_client = TokenizerClient(tokenizer_target or f"127.0.0.1:{tokenizer_port}")
@@ -210,6 +210,24 @@ def test_an_unreachable_tokenizer_is_unavailable_without_naming_its_address(toke
             assert "tokenizer service failed (UNAVAILABLE)" in details
             assert str(dead_port) not in details and "127.0.0.1" not in details
             # Found before the prompt was scheduled: no cache lookup counted it.
+            assert engine.cache_stats().used_blocks == 0 and engine.cache_stats().queries == 0
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_prompt_id_the_tokenizer_lacks_is_unavailable_not_an_internal_field(tokenizer: TextTokenizer) -> None:
+    """A worker's vocabulary can be padded past its tokenizer's (or a tokenizer of a smaller model
+    answers mid-rollout): an id the worker takes but the tokenizer refuses is the platform's
+    problem, not a bad argument, and the client never sees the tokenizer's internal field names."""
+    prompt = [*PROMPT, tokenizer.vocab_size + 3]
+
+    async def main() -> None:
+        async with engine_api(tokenizer, worker_vocab_size=tokenizer.vocab_size + 64) as (target, engine), \
+                EngineClient(target) as client:
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await client.complete(build_request(token_ids=prompt, max_tokens=4))
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "prefix_token_ids" not in failed.value.details()
             assert engine.cache_stats().used_blocks == 0 and engine.cache_stats().queries == 0
 
     asyncio.run(asyncio.wait_for(main(), 60))
