@@ -110,6 +110,8 @@ def test_a_failed_call_exits_non_zero_with_the_status(target: str) -> None:
         ("--stop", "", "--stop: must not be empty"),
         ("--tenant", "", "--tenant: must not be empty"),
         ("--cache-salt", "", "--cache-salt: must not be empty"),
+        ("--target", "", "--target: expected HOST:PORT, got ''"),
+        ("--target", "localhost:65536", "--target: the port must be in [1, 65535], got 65536"),
     ],
 )
 def test_out_of_range_options_are_usage_errors_not_tracebacks(option: str, value: str, message: str) -> None:

@@ -40,9 +40,17 @@ async def local_platform(settings: LocalSettings, prefix_caching: bool) -> Async
         )
     )
     platform.start()
+    keep_logs = False
     try:
-        await platform.wait_ready(settings.startup_timeout_s)
+        try:
+            await platform.wait_ready(settings.startup_timeout_s)
+        except RuntimeError as error:
+            keep_logs = True
+            raise RuntimeError(f"the local platform did not start: {error}\n(logs kept in {log_dir})") from None
         yield platform.engine_address
     finally:
-        await asyncio.to_thread(platform.stop)
-        shutil.rmtree(log_dir, ignore_errors=True)
+        try:
+            await asyncio.to_thread(platform.stop)
+        finally:
+            if not keep_logs:
+                shutil.rmtree(log_dir, ignore_errors=True)

@@ -39,6 +39,11 @@ class RequestRecord:
         return self.error is None and self.finished_s is not None
 
     @property
+    def error_code(self) -> str | None:
+        """The gRPC status code name of a failed request; None if it did not fail."""
+        return None if self.error is None else self.error.split(":", 1)[0]
+
+    @property
     def ttft_s(self) -> float | None:
         return self.chunks[0][0] - self.sent_s if self.chunks else None
 
@@ -96,6 +101,7 @@ class RunSummary:
     hit_rate: float | None
     miss_reasons: dict[str, int]
     evictions: int | None  # from GetCacheStats before and after; None when the server has no counter
+    errors: dict[str, int] = field(default_factory=dict)  # gRPC status code name -> failed requests
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -104,11 +110,16 @@ class RunSummary:
         """Every numeric figure under a flat name (`ttft_ms.p50`, `hit_rate`, ...)."""
         flat: dict[str, float | None] = {}
         for name, value in self.to_json().items():
-            if isinstance(value, dict) and name != "miss_reasons":
+            if name in _COUNTS_BY_NAME:
+                continue
+            if isinstance(value, dict):
                 flat.update({f"{name}.{key}": inner for key, inner in value.items()})
-            elif name != "miss_reasons":
+            else:
                 flat[name] = value
         return flat
+
+
+_COUNTS_BY_NAME = ("miss_reasons", "errors")  # RunSummary's counts per value, not figures
 
 
 def summarize(records: Sequence[RequestRecord], evictions: int | None = None) -> RunSummary:
@@ -123,6 +134,7 @@ def summarize(records: Sequence[RequestRecord], evictions: int | None = None) ->
     cached = sum(r.cached_tokens for r in done)
     output = sum(r.completion_tokens for r in done)
     reasons = Counter(r.miss_reason for r in done if r.miss_reason)
+    errors = Counter(r.error_code or "INCOMPLETE" for r in records if not r.ok)
     return RunSummary(
         completed=len(done),
         failed=len(records) - len(done),
@@ -138,6 +150,7 @@ def summarize(records: Sequence[RequestRecord], evictions: int | None = None) ->
         hit_rate=cached / prompt if prompt else None,
         miss_reasons=dict(sorted(reasons.items())),
         evictions=evictions,
+        errors=dict(sorted(errors.items())),
     )
 
 

@@ -27,8 +27,9 @@ def plot(path: str, results: Mapping[str, WorkloadResult]) -> None:
         ttft_axis.set(title=f"{name}: TTFT distribution", xlabel="TTFT (ms)", ylabel="fraction of requests")
         ttft_axis.set_xscale("log")
         hit_axis.set(title=f"{name}: hit rate over time", xlabel="time since start (s)", ylabel="hit rate", ylim=(-0.02, 1.02))
-        ttft_axis.legend()
-        hit_axis.legend()
+        for axis in (ttft_axis, hit_axis):
+            if axis.get_legend_handles_labels()[0]:  # nothing drawn (every request failed): no legend
+                axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)

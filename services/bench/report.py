@@ -66,6 +66,10 @@ def _cell(value: float | None, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def _counts(counts: Mapping[str, int]) -> str:
+    return ", ".join(f"{name} {count}" for name, count in counts.items()) or "-"
+
+
 def render_table(results: Mapping[str, WorkloadResult]) -> str:
     lines: list[str] = []
     for name, result in results.items():
@@ -79,10 +83,9 @@ def render_table(results: Mapping[str, WorkloadResult]) -> str:
             if r is not None:
                 row.append(_cell(r[key], "{:.2f}x"))
             rows.append(row)
-        reasons = [
-            ", ".join(f"{k} {v}" for k, v in result.summaries[m].miss_reasons.items()) or "-" for m in modes
-        ]
-        rows.append(["  miss reasons"] + reasons + ([""] if r else []))
+        rows.append(["  miss reasons"] + [_counts(result.summaries[m].miss_reasons) for m in modes] + ([""] if r else []))
+        if any(result.summaries[m].errors for m in modes):
+            rows.append(["  errors"] + [_counts(result.summaries[m].errors) for m in modes] + ([""] if r else []))
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
         for row in rows:
             cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]

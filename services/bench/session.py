@@ -55,14 +55,30 @@ class BenchConfig:
 
 @dataclass
 class BenchOutcome:
+    """What a session measured; filled in as each workload finishes, so a run cut short keeps the rest."""
+
     results: dict[str, WorkloadResult]
     description: dict[str, object] = field(default_factory=dict)  # the `config` object of the JSON
     requests: dict[str, list[BenchRequest]] = field(default_factory=dict)  # what every mode sent
     options: WorkloadOptions | None = None  # as resolved against the first engine
 
+    @classmethod
+    def for_workloads(cls, workloads: Sequence[str]) -> BenchOutcome:
+        return cls({name: WorkloadResult() for name in workloads})
+
+    @property
+    def finished_results(self) -> dict[str, WorkloadResult]:
+        """The workloads that ran in at least one mode."""
+        return {name: result for name, result in self.results.items() if result.summaries}
+
     @property
     def failed_requests(self) -> int:
         return sum(s.failed for r in self.results.values() for s in r.summaries.values())
+
+    def first_error(self) -> str | None:
+        """The first failed request's status and message, to say why requests failed."""
+        return next((record.error for result in self.results.values() for records in result.records.values()
+                     for record in records if record.error), None)
 
 
 def thrash_prefixes_for(facts: EngineFacts, prefix_len: int, concurrency: int) -> int:
@@ -128,19 +144,23 @@ def _to_stderr(note: str) -> None:
     print(f"note: {note}", file=sys.stderr)
 
 
-async def run_session(config: BenchConfig, note: Callable[[str], None] = _to_stderr) -> BenchOutcome:
-    """Run every workload in every mode; `note` hears about settings that defeat a workload's point."""
-    outcome = BenchOutcome({name: WorkloadResult() for name in config.workloads})
+async def run_session(config: BenchConfig, note: Callable[[str], None] = _to_stderr,
+                      outcome: BenchOutcome | None = None) -> BenchOutcome:
+    """Run every workload in every mode, into `outcome` (a new one by default); `note` hears about
+    settings that defeat a workload's point."""
+    if outcome is None:
+        outcome = BenchOutcome.for_workloads(config.workloads)
+    if config.target and config.no_cache_target:  # both given: refuse a wrong pair before the long first run
+        async with EngineEndpoint(config.no_cache_target, config.request_timeout_s) as no_cache:
+            no_cache_facts = check_mode(NO_CACHE, await no_cache.describe(), config.no_cache_target)
+        async with EngineEndpoint(config.target, config.request_timeout_s) as cache:
+            check_comparable(check_mode(CACHE, await cache.describe(), config.target), no_cache_facts,
+                             config.no_cache_target)
     first: EngineFacts | None = None
     for mode in config.modes:
         async with _engine_target(config, mode) as (target, owned):
             async with EngineEndpoint(target, config.request_timeout_s) as endpoint:
-                facts = await endpoint.describe()
-                if facts.prefix_caching_enabled != (mode == CACHE):
-                    raise ValueError(
-                        f"the {mode} run needs an engine with prefix caching {'on' if mode == CACHE else 'off'}, "
-                        f"but {target} has it {'on' if facts.prefix_caching_enabled else 'off'}"
-                    )
+                facts = check_mode(mode, await endpoint.describe(), target)
                 if first is None:  # the first mode plans; every mode sends the very same requests
                     first = facts
                     plan_workloads(config, facts, outcome, note)
@@ -148,6 +168,16 @@ async def run_session(config: BenchConfig, note: Callable[[str], None] = _to_std
                     check_comparable(first, facts, target)
                 await _run_mode(config, endpoint, mode, owned, outcome, note)
     return outcome
+
+
+def check_mode(mode: str, facts: EngineFacts, target: str) -> EngineFacts:
+    """`facts`, if the engine at `target` has prefix caching as `mode` needs it."""
+    if facts.prefix_caching_enabled != (mode == CACHE):
+        raise ValueError(
+            f"the {mode} run needs an engine with prefix caching {'on' if mode == CACHE else 'off'}, "
+            f"but {target} has it {'on' if facts.prefix_caching_enabled else 'off'}"
+        )
+    return facts
 
 
 def plan_workloads(config: BenchConfig, facts: EngineFacts, outcome: BenchOutcome, note: Callable[[str], None]) -> None:
@@ -174,12 +204,14 @@ async def _run_mode(config: BenchConfig, endpoint: EngineEndpoint, mode: str, ow
             note(f"the engine refused to reset its prefix cache (other requests hold blocks): {name} ({mode}) "
                  "starts with whatever is cached")
         bar = ProgressBar(f"{name} ({mode})", len(requests)) if config.show_progress else None
-        run = await drive(
-            endpoint, requests, config.concurrency, TenantSalts(outcome.options.tenants),
-            on_done=bar.advance if bar else lambda record: None,
-        )
-        if bar:
-            bar.close()
+        try:
+            run = await drive(
+                endpoint, requests, config.concurrency, TenantSalts(outcome.options.tenants),
+                on_done=bar.advance if bar else lambda record: None,
+            )
+        finally:  # ends the bar's line, also when the run is stopped
+            if bar:
+                bar.close()
         outcome.results[name].summaries[mode] = summarize(run.records, run.evictions)
         outcome.results[name].records[mode] = run.records
 

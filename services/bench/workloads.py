@@ -147,7 +147,7 @@ def multi_turn(options: WorkloadOptions) -> list[BenchRequest]:
     remaining = options.num_requests
     while remaining > 0:
         index = len(conversations)
-        turns = min(options.turns.draw(rng), remaining)
+        turns = _conversation_length(options.turns.draw(rng), remaining, options.turns)
         remaining -= turns
         history: tuple[int, ...] = ()
         conversation: list[BenchRequest] = []
@@ -166,6 +166,24 @@ def multi_turn(options: WorkloadOptions) -> list[BenchRequest]:
         conversations.append(conversation)
     longest = max(len(c) for c in conversations)
     return [c[turn] for turn in range(longest) for c in conversations if turn < len(c)]
+
+
+def _conversation_length(drawn: int, remaining: int, turns: IntRange) -> int:
+    """The next conversation's length: `drawn`, or the length within `turns` nearest to it, such that
+    the requests left after it are none or can themselves be split into conversations within `turns`.
+
+    So every conversation stays within the range whenever `num_requests` allows it (with the default
+    4:8, any total of 4 or more); otherwise, one conversation is shorter.
+    """
+    fitting = [n for n in range(turns.low, min(turns.high, remaining) + 1) if _splits(remaining - n, turns)]
+    if not fitting:
+        return min(drawn, remaining)
+    return min(fitting, key=lambda n: (abs(n - drawn), n))
+
+
+def _splits(total: int, turns: IntRange) -> bool:
+    """Whether `total` requests make whole conversations of lengths within `turns` (none for 0)."""
+    return total == 0 or any(k * turns.low <= total <= k * turns.high for k in range(1, total // turns.low + 1))
 
 
 def check_few_shot(options: WorkloadOptions) -> None:

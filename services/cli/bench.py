@@ -11,9 +11,20 @@ import asyncio
 import importlib.util
 import math
 import os
+import signal
 import sys
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
 
+from prefixcache.services.bench.local_platform import LocalSettings
 from prefixcache.services.bench.workloads import GENERATORS, IntRange, WorkloadOptions
+from prefixcache.services.cli.arg_types import bounded_float, engine_target
+
+if TYPE_CHECKING:
+    from prefixcache.services.bench.session import BenchOutcome
+
+# Options of the benchmark's own local platform: with --target they would be silently unused.
+LOCAL_PLATFORM_OPTIONS = ("dtype", "kv_cache_memory", "scheduler_arg", "startup_timeout")
 
 
 class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -36,14 +47,18 @@ def int_range_argument(text: str) -> IntRange:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = _DefaultsHelpFormatter
     where = parser.add_argument_group("where")
-    where.add_argument("--target", metavar="HOST:PORT", help="a running Engine endpoint (default: start a local platform)")
+    where.add_argument("--target", type=engine_target, metavar="HOST:PORT",
+                       help="a running Engine endpoint (default: start a local platform)")
     where.add_argument("--compare-no-cache", action="store_true", help="also run with prefix caching off and print ratios")
-    where.add_argument("--no-cache-target", metavar="HOST:PORT",
+    where.add_argument("--no-cache-target", type=engine_target, metavar="HOST:PORT",
                        help="with --target and --compare-no-cache: an endpoint serving with prefix caching off")
-    where.add_argument("--dtype", default="float32", help="local platform: the worker's compute dtype")
-    where.add_argument("--kv-cache-memory", default="1GiB", help="local platform: the worker's KV cache budget")
-    where.add_argument("--scheduler-arg", action="append", default=[], metavar="ARG",
+    local = LocalSettings()
+    where.add_argument("--dtype", help=f"local platform: the worker's compute dtype (default {local.dtype})")
+    where.add_argument("--kv-cache-memory", help=f"local platform: the worker's KV cache budget (default {local.kv_cache_memory})")
+    where.add_argument("--scheduler-arg", action="append", metavar="ARG",
                        help="local platform: extra scheduler flag (repeatable), e.g. --scheduler-arg=--max-num-seqs=16")
+    where.add_argument("--startup-timeout", type=bounded_float(0, low_open=True), metavar="SECONDS",
+                       help=f"local platform: how long its services may take to start (default {local.startup_timeout_s:g})")
     where.add_argument("--reset-cache", action=argparse.BooleanOptionalAction, default=None,
                        help="reset the prefix cache before each workload (default: only on the local platform)")
 
@@ -83,12 +98,15 @@ def run(args: argparse.Namespace) -> int:
         if path and (problem := _unwritable(path)):
             print(f"prefixcache bench: {option} {path}: {problem}", file=sys.stderr)
             return 2
+    given_local = [f"--{name.replace('_', '-')}" for name in LOCAL_PLATFORM_OPTIONS if getattr(args, name) is not None]
+    if args.target and given_local:
+        print(f"prefixcache bench: {', '.join(given_local)} configure the local platform, which --target replaces",
+              file=sys.stderr)
+        return 2
     # Imported here so `prefixcache bench --help` stays instant.
     import grpc
 
-    from prefixcache.services.bench.local_platform import LocalSettings
-    from prefixcache.services.bench.report import render_table, write_json
-    from prefixcache.services.bench.session import BenchConfig, parse_workloads, run_session
+    from prefixcache.services.bench.session import BenchConfig, BenchOutcome, parse_workloads, run_session
 
     try:
         options = WorkloadOptions(
@@ -114,31 +132,89 @@ def run(args: argparse.Namespace) -> int:
             auto_thrash_prefixes=args.thrash_prefixes is None,
             warmup_requests=args.warmup,
             reset_between_workloads=args.reset_cache,
-            local=LocalSettings(args.dtype, args.kv_cache_memory, tuple(args.scheduler_arg)),
+            local=_local_settings(args),
             request_timeout_s=args.request_timeout,
             show_progress=not args.no_progress,
         )
-        outcome = asyncio.run(run_session(config))
-    except (ValueError, RuntimeError, TimeoutError) as error:
+    except ValueError as error:
         print(f"prefixcache bench: {error}", file=sys.stderr)
         return 2
-    except grpc.RpcError as error:  # a failure outside a request (Describe, stats): the server's status
-        print(f"prefixcache bench: {error.code().name}: {error.details()}", file=sys.stderr)
-        return 1
 
-    print(render_table(outcome.results))
+    outcome = BenchOutcome.for_workloads(config.workloads)
+    cut_short = True
+    try:
+        stopped_by = _run_until_signalled(run_session(config, outcome=outcome))
+    except (ValueError, RuntimeError, TimeoutError) as error:
+        code, problem = 2, str(error)
+    except grpc.RpcError as error:  # a failure outside a request (Describe, stats): the server's status
+        code, problem = 1, f"{error.code().name}: {error.details()}"
+    else:
+        if stopped_by is not None:
+            code, problem = 128 + stopped_by, f"stopped by {signal.Signals(stopped_by).name}"
+        else:
+            cut_short = False
+            code, problem = 0, None
+            if outcome.failed_requests:
+                code, problem = 1, f"{outcome.failed_requests} requests failed; the first: {outcome.first_error()}"
+    if outcome.finished_results:  # what finished is reported even when the run was cut short
+        code = _report(outcome, args) or code
+        if cut_short:
+            print("prefixcache bench: the run was cut short; the results above are of the workloads that finished",
+                  file=sys.stderr)
+    if problem is not None:
+        print(f"prefixcache bench: {problem}", file=sys.stderr)
+    return code
+
+
+def _local_settings(args: argparse.Namespace) -> LocalSettings:
+    """The local platform's settings: the options given, LocalSettings' defaults for the rest."""
+    given = {"dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory,
+             "scheduler_args": tuple(args.scheduler_arg) if args.scheduler_arg else None,
+             "startup_timeout_s": args.startup_timeout}
+    return LocalSettings(**{name: value for name, value in given.items() if value is not None})
+
+
+def _run_until_signalled(session: Coroutine[Any, Any, object]) -> int | None:
+    """Run `session`; the first SIGINT or SIGTERM cancels it, and its clean-up (stopping the local
+    platform it started) then runs undisturbed by further signals. Returns that signal, or None."""
+
+    async def main() -> int | None:
+        task = asyncio.ensure_future(session)
+        received: list[int] = []
+
+        def stop(signum: int) -> None:
+            if not received:
+                received.append(signum)
+                task.cancel()
+
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop, signum)
+        try:
+            await task
+        except asyncio.CancelledError:
+            if not received:
+                raise
+        return received[0] if received else None
+
+    return asyncio.run(main())
+
+
+def _report(outcome: BenchOutcome, args: argparse.Namespace) -> int:
+    """Print the table and write --json and --plot for the finished workloads; 1 if a file cannot be written."""
+    from prefixcache.services.bench.report import render_table, write_json
+
+    results = outcome.finished_results
+    print(render_table(results))
     try:
         if args.json:
-            write_json(args.json, outcome.results, outcome.description)
+            write_json(args.json, results, outcome.description)
         if args.plot:
             from prefixcache.services.bench.plot import plot
 
-            plot(args.plot, outcome.results)
+            plot(args.plot, results)
     except OSError as error:  # the file system changed during the run
         print(f"prefixcache bench: cannot write {error.filename}: {error.strerror}", file=sys.stderr)
-        return 1
-    if outcome.failed_requests:
-        print(f"prefixcache bench: {outcome.failed_requests} requests failed", file=sys.stderr)
         return 1
     return 0
 

@@ -11,7 +11,8 @@ import sys
 
 import grpc
 
-from prefixcache.services.cli.client_args import add_sampling, add_target, report_rpc_errors, sampling_kwargs, text_file
+from prefixcache.services.cli.arg_types import text_file
+from prefixcache.services.cli.client_args import add_sampling, add_target, report_rpc_errors, sampling_kwargs
 from prefixcache.services.cli.generate import print_usage
 from prefixcache.services.common.engine_client import Completion, EngineClient, build_request
 

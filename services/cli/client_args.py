@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Awaitable, Callable
 
 import grpc
 
+from prefixcache.services.cli.arg_types import bounded_float, bounded_int, engine_target, non_empty
 from prefixcache.services.cli.salt_env import CACHE_SALT_ENV, cache_salt
 from prefixcache.services.common.engine_client import DEFAULT_TARGET
 
@@ -16,58 +16,8 @@ UINT32_MAX = 2**32 - 1
 UINT64_MAX = 2**64 - 1
 
 
-def bounded_int(low: int, high: int) -> Callable[[str], int]:
-    """An argparse type: an integer in [low, high] (the range of the request field it fills)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {value}")
-        return value
-
-    return parse
-
-
-def bounded_float(low: float, high: float = math.inf, *, low_open: bool = False) -> Callable[[str], float]:
-    """An argparse type: a number in [low, high], or (low, high] with `low_open`; never NaN."""
-    shown = f"{'(' if low_open else '['}{low:g}, {high:g}]" if high != math.inf else f"{'>' if low_open else '>='} {low:g}"
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if math.isnan(value) or not (low < value if low_open else low <= value) or not value <= high:
-            raise argparse.ArgumentTypeError(f"must be {'in ' if high != math.inf else ''}{shown}, got {text}")
-        return value
-
-    return parse
-
-
-def non_empty(text: str) -> str:
-    """An argparse type: any text but the empty string (which the server refuses for these fields)."""
-    if not text:
-        raise argparse.ArgumentTypeError("must not be empty")
-    return text
-
-
-def text_file(path: str) -> str:
-    """An argparse type: the contents of a UTF-8 text file, which must not be empty."""
-    try:
-        with open(path, encoding="utf-8") as file:
-            text = file.read()
-    except (OSError, UnicodeDecodeError) as error:
-        raise argparse.ArgumentTypeError(f"cannot read {path}: {error}") from None
-    if not text:
-        raise argparse.ArgumentTypeError(f"{path} is empty")
-    return text
-
-
 def add_target(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=DEFAULT_TARGET, metavar="HOST:PORT", help=f"Engine API (default {DEFAULT_TARGET})")
+    parser.add_argument("--target", type=engine_target, default=DEFAULT_TARGET, metavar="HOST:PORT", help=f"Engine API (default {DEFAULT_TARGET})")
 
 
 def add_sampling(parser: argparse.ArgumentParser) -> None:

@@ -11,14 +11,8 @@ import argparse
 import json
 import sys
 
-from prefixcache.services.cli.client_args import (
-    add_sampling,
-    add_target,
-    bounded_int,
-    report_rpc_errors,
-    sampling_kwargs,
-    text_file,
-)
+from prefixcache.services.cli.arg_types import bounded_int, text_file
+from prefixcache.services.cli.client_args import add_sampling, add_target, report_rpc_errors, sampling_kwargs
 from prefixcache.services.common.engine_client import Completion, EngineClient, build_request
 from prefixcache.services.common.step import MAX_LOGPROBS
 

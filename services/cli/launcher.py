@@ -157,7 +157,8 @@ class LocalPlatform:
             service.start()
 
     async def wait_ready(self, timeout_s: float = 300.0) -> None:
-        """Until every service reports SERVING; RuntimeError naming the service that exited."""
+        """Until every service reports SERVING; RuntimeError naming the service that exited or did
+        not get there in time, with the end of its log."""
         deadline = time.monotonic() + timeout_s
         for service in self.services:
             await self.wait_serving(service, max(1.0, deadline - time.monotonic()))
@@ -172,6 +173,10 @@ class LocalPlatform:
                     )
                 await asyncio.sleep(0.1)
             waiting.result()
+        except TimeoutError:
+            raise RuntimeError(
+                f"the {service.name} was not serving after {timeout_s:.0f} s; its log ends:\n{service.log_tail()}"
+            ) from None
         finally:
             waiting.cancel()
 

@@ -48,6 +48,9 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # gRPC's fork handlers serve processes that fork and keep using gRPC in the child; ours only fork
+    # to exec a service (serve, bench), where the handlers just log that other threads use gRPC.
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
     try:

@@ -115,7 +115,7 @@ async def _serve(platform: LocalPlatform, args: argparse.Namespace) -> int:
     platform.start()
     try:
         started, _ = await _unless_stopped(platform.wait_ready(args.startup_timeout), stop)
-    except (RuntimeError, TimeoutError) as error:
+    except RuntimeError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     if not started:

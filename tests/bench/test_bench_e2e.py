@@ -2,7 +2,13 @@
 gRPC, the embedded model. Small sizes and concurrency 1 make every cache hit predictable."""
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import replace
+from pathlib import Path
 
 import grpc
 import pytest
@@ -125,3 +131,56 @@ def test_cli_without_a_target_starts_a_fresh_platform_per_mode(tmp_path, capsys)
     # The owned platform's cache is reset after the warm-up, so only the first request misses.
     assert report["cache"]["cached_tokens"] == 2 * 64 and report["cache"]["miss_reasons"]["cold"] == 1
     assert report["no_cache"]["cached_tokens"] == 0 and report["no_cache"]["miss_reasons"] == {"disabled": 3}
+
+
+def _processes_writing_under(directory: Path) -> list[int]:
+    """Processes holding a file open below `directory` (the services keep their log open as stdout)."""
+    found = set()
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            if os.readlink(fd).startswith(f"{directory}/"):
+                found.add(int(fd.parent.parent.name))
+        except OSError:  # gone while listing, or not ours to read
+            continue
+    return sorted(found)
+
+
+def _bench_process(tmp_path: Path, *args: str) -> subprocess.Popen:
+    """`prefixcache bench` in its own process, its local platform's log folder under `tmp_path`."""
+    return subprocess.Popen([sys.executable, "-m", "prefixcache.services.cli.main", "bench", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp_path)})
+
+
+def test_sigterm_stops_the_local_platform_the_bench_started(tmp_path):
+    bench = _bench_process(tmp_path, "--workload", "unique", "--num-requests", "200", "--concurrency", "1",
+                           "--kv-cache-memory", "18MiB", "--prefix-len", "64", "--suffix-len", "8:16",
+                           "--output-len", "3", "--warmup", "0", "--no-progress")
+    try:
+        deadline = time.monotonic() + 240
+        while not any("engine ready" in log.read_text() for log in tmp_path.glob("prefixcache-bench-*/scheduler.log")):
+            assert bench.poll() is None and time.monotonic() < deadline, bench.communicate()
+            time.sleep(0.5)
+        assert len(_processes_writing_under(tmp_path)) == 3  # the services
+        time.sleep(2)  # requests are running
+        bench.send_signal(signal.SIGTERM)
+        _, err = bench.communicate(timeout=120)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    assert bench.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by SIGTERM" in err and "Traceback" not in err, err
+    assert _processes_writing_under(tmp_path) == []  # every service stopped
+    assert list(tmp_path.glob("prefixcache-bench-*")) == []  # and its logs removed
+
+
+def test_a_local_platform_that_does_not_start_keeps_its_logs_and_says_why(tmp_path):
+    bench = _bench_process(tmp_path, "--workload", "unique", "--num-requests", "1", "--kv-cache-memory", "18MiB",
+                           "--scheduler-arg=--max-num-seqs=0", "--no-progress")
+    _, err = bench.communicate(timeout=300)
+    assert bench.returncode == 2, err
+    assert "the local platform did not start: the scheduler exited with status 2" in err
+    assert "max_num_seqs must be positive, got 0" in err  # the end of its log
+    [log_dir] = tmp_path.glob("prefixcache-bench-*")
+    assert f"(logs kept in {log_dir})" in err and (log_dir / "scheduler.log").is_file()
+    assert _processes_writing_under(tmp_path) == []

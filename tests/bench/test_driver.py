@@ -203,3 +203,47 @@ def test_plot_without_matplotlib_fails_before_the_run(engine_server, capsys, mon
     assert cli.main(["bench", "--target", target, "--plot", str(tmp_path / "p.png"), "--no-progress"]) == 2
     assert "--plot needs matplotlib" in capsys.readouterr().err
     assert servicer.started == []  # nothing was sent
+
+
+def test_failed_requests_are_counted_by_status_and_the_first_one_is_shown(engine_server, tmp_path, capsys):
+    _, target = engine_server
+    out = tmp_path / "bench.json"
+    # The engine takes 20 ms a request: a 1 ms deadline fails every one.
+    rc = cli.main(["bench", "--target", target, "--workload", "unique", "--num-requests", "3", "--prefix-len", "64",
+                   "--suffix-len", "4:20", "--output-len", "4", "--warmup", "0", "--request-timeout", "0.001",
+                   "--json", str(out), "--no-progress"])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert "3 requests failed; the first: DEADLINE_EXCEEDED" in captured.err
+    assert "errors" in captured.out and "DEADLINE_EXCEEDED 3" in captured.out
+    summary = json.loads(out.read_text())["workloads"]["unique"]["cache"]
+    assert (summary["failed"], summary["errors"]) == (3, {"DEADLINE_EXCEEDED": 3})
+
+
+def test_both_endpoints_are_checked_before_the_first_run(engine_server, capsys):
+    servicer, target = engine_server  # an engine with caching on, given as the no-cache endpoint too
+    rc = cli.main(["bench", "--target", target, "--compare-no-cache", "--no-cache-target", target,
+                   "--workload", "unique", "--num-requests", "2", "--no-progress"])
+    assert rc == 2
+    assert f"the no_cache run needs an engine with prefix caching off, but {target} has it on" in capsys.readouterr().err
+    assert servicer.started == []  # refused before the cache run (or its warm-up) sent anything
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--target", ""], "expected HOST:PORT, got ''"),
+    (["--target", "localhost:99999"], "the port must be in [1, 65535], got 99999"),
+    (["--target", "localhost:5", "--no-cache-target", "localhost"], "expected HOST:PORT, got 'localhost'"),
+])
+def test_endpoints_must_be_host_and_port(args, message, capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["bench", *args])
+    assert exit.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_local_platform_options_are_refused_with_a_target(engine_server, capsys):
+    servicer, target = engine_server
+    rc = cli.main(["bench", "--target", target, "--kv-cache-memory", "64MiB", "--startup-timeout", "5"])
+    assert rc == 2
+    assert "--kv-cache-memory, --startup-timeout configure the local platform, which --target replaces" \
+        in capsys.readouterr().err
+    assert servicer.started == []

@@ -64,3 +64,20 @@ def test_progress_bar_draws_only_on_a_terminal():
     quiet = io.StringIO()
     ProgressBar("unique (cache)", 4, stream=quiet).close()
     assert quiet.getvalue() == ""
+
+
+def test_a_workload_whose_requests_all_failed_plots_without_warnings(tmp_path):
+    pytest.importorskip("matplotlib")
+    import warnings
+
+    from prefixcache.services.bench.plot import plot
+
+    failed = [RequestRecord("r", 0.0, error="DEADLINE_EXCEEDED: deadline exceeded")]
+    good = [RequestRecord("r", 0.0, [(0.1, 1), (0.5, 1)], 0.5, 1000, 992, 2, "cold", "")]
+    results = {"unique": WorkloadResult({"cache": summarize(failed)}, {"cache": failed}),
+               "few-shot": WorkloadResult({"cache": summarize(good)}, {"cache": good})}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plot(str(tmp_path / "bench.png"), results)
+    assert (tmp_path / "bench.png").stat().st_size > 10_000
+    assert summarize(failed).errors == {"DEADLINE_EXCEEDED": 1}

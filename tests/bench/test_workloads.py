@@ -1,5 +1,6 @@
 """The workload generators: deterministic per seed, shaped as the issue describes."""
 import math
+from collections import Counter
 import random
 from dataclasses import replace
 
@@ -75,8 +76,7 @@ def test_multi_turn_resends_history_and_orders_dependencies():
             new = len(current.prompt_token_ids) - len(previous.prompt_token_ids)
             assert 8 + 10 <= new <= 8 + 20  # synthetic assistant reply + the new user message
         assert turns[0][1].after is None
-    # All conversations but possibly the last (truncated to num_requests) have 4..8 turns.
-    assert sum(len(t) < 4 for t in conversations.values()) <= 1
+    assert all(4 <= len(t) for t in conversations.values())
     assert set(by_id) == {r.request_id for r in requests}
 
 
@@ -127,3 +127,17 @@ def test_int_range_parsing():
     with pytest.raises(ValueError, match="workload must be one of"):
         generate("nope", SMALL)
 
+
+
+@pytest.mark.parametrize("turns", [IntRange(4, 8), IntRange(2, 3), IntRange(3, 4), IntRange(5, 5)])
+def test_multi_turn_conversations_stay_within_the_turns_range(turns):
+    for num_requests in range(1, 40):
+        # Whole conversations within the range exist for this total: k conversations of low..high turns.
+        splits = any(k * turns.low <= num_requests <= k * turns.high for k in range(1, num_requests + 1))
+        for seed in range(4):
+            requests = generate("multi-turn", WorkloadOptions(num_requests=num_requests, seed=seed, turns=turns,
+                                                              prefix_len=8, suffix_len=IntRange(2, 4), output_len=2))
+            lengths = Counter(r.request_id.rsplit("-", 1)[0] for r in requests).values()
+            assert len(requests) == num_requests
+            assert max(lengths) <= turns.high
+            assert min(lengths) >= turns.low or not splits, (num_requests, seed, sorted(lengths))

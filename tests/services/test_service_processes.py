@@ -184,3 +184,21 @@ def test_metrics_listen_where_the_engine_api_does(engine_host: str, metrics_host
     from prefixcache.services.scheduler.server import metrics_address
 
     assert metrics_address(engine_host) == metrics_host
+
+
+def test_a_service_that_never_serves_is_named_with_its_log(tmp_path: Path) -> None:
+    """The scheduler waits for a worker nobody runs: it never reports SERVING, and waiting for it ends
+    in an error naming it and quoting its log, not in a bare address."""
+    from prefixcache.services.cli.launcher import LocalPlatform, PlatformConfig
+
+    platform = LocalPlatform(PlatformConfig(model_dir=tmp_path, log_dir=tmp_path, engine_port=free_port(),
+                                            engine_host="127.0.0.1"))
+    platform.scheduler.start()  # its tokenizer and worker addresses are free ports: nothing answers there
+    try:
+        with pytest.raises(RuntimeError) as failure:
+            asyncio.run(platform.wait_serving(platform.scheduler, timeout_s=4))
+        message = str(failure.value)
+        assert message.startswith("the scheduler was not serving after 4 s; its log ends:\n")
+        assert platform.worker.address in message  # the scheduler logs what it is waiting for
+    finally:
+        platform.scheduler.kill()
