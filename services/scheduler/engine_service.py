@@ -153,7 +153,8 @@ class EngineServicer(pb_grpc.EngineServicer):
                 await detokenizer.open()
             abandoned: list[RequestOutput] = []  # outputs never read, if the engine saw the call leave first
             try:
-                outputs = self._engine.add_request(engine_request, on_abandon=abandoned.append)
+                outputs = self._engine.add_request(engine_request, on_abandon=abandoned.append,
+                                                   counts_own_finish=bool(request.sampling.stop))
             except Exception:
                 await detokenizer.close()
                 raise
@@ -173,7 +174,8 @@ class EngineServicer(pb_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, _tokenizer_failed(request_id, code, details))
         span.set_attribute("gen_ai.usage.input_tokens", len(prompt_ids))
 
-        stream = _Stream(request_id, self._engine, detokenizer, list(request.sampling.stop))
+        stream = _Stream(request_id, self._engine, detokenizer, list(request.sampling.stop),
+                         counts_finish=bool(request.sampling.stop))
         self._request_spans.add(request_id, span)
         try:
             async for response in stream.responses(outputs):
@@ -186,6 +188,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             if not stream.finished:  # cancelled by the client, deadline, or an error above
                 for output in [*abandoned, self._engine.abort(request_id)]:
                     stream.absorb(output)
+                stream.count_unread_finish()
             self._request_spans.remove(request_id)
             await stream.close()
             stream.annotate(span)
@@ -328,11 +331,16 @@ class EngineServicer(pb_grpc.EngineServicer):
 class _Stream:
     """Turns one request's engine outputs into responses: text, stop strings, the final summary."""
 
-    def __init__(self, request_id: str, engine: EngineCore, detokenizer: StreamingDetokenizer, stops: list[str]):
+    def __init__(self, request_id: str, engine: EngineCore, detokenizer: StreamingDetokenizer, stops: list[str],
+                 counts_finish: bool = False):
         self._request_id = request_id
         self._engine = engine
         self._detokenizer = detokenizer
         self._stops = StopStringMatcher(stops)
+        # Tells the engine's metrics why the request ended (added with `counts_own_finish`): a stop
+        # string can end it after the engine already finished it for another reason.
+        self._counts_finish = counts_finish
+        self._engine_finish_reason: str | None = None  # of the final output, once absorbed
         self.finished = False
         self.last: RequestOutput | None = None
         self.account: CacheAccount | None = None
@@ -365,13 +373,21 @@ class _Stream:
 
     def _final(self, output: RequestOutput, text: str, with_tokens: bool = True) -> pb.GenerateResponse:
         """The last response. A matched stop string makes the reason "stop", also where the engine
-        had finished the request first (it runs ahead of detokenizing): its metrics are told."""
+        had finished the request first (it runs ahead of detokenizing)."""
         self.finished = True
-        if not self._stops.stopped:
-            return self._response(output, text, output.finish_reason, with_tokens)
-        if output.finish_reason != FINISH_STOP:
-            self._engine.metrics.finish_reason_corrected(output.finish_reason, FINISH_STOP)
-        return self._response(output, text, FINISH_STOP, with_tokens)
+        reason = FINISH_STOP if self._stops.stopped else output.finish_reason
+        self._count_finish(reason)
+        return self._response(output, text, reason, with_tokens)
+
+    def count_unread_finish(self) -> None:
+        """For a stream that ended without its final response (cancelled, deadline, an error): count
+        the reason of the engine's final output, absorbed since, if there was one."""
+        if self._engine_finish_reason is not None:
+            self._count_finish(FINISH_STOP if self._stops.stopped else self._engine_finish_reason)
+
+    def _count_finish(self, reason: str) -> None:
+        if self._counts_finish:
+            self._engine.metrics.request_finished(reason)
 
     def _response(self, output: RequestOutput, text: str, reason: str | None,
                   with_tokens: bool = True) -> pb.GenerateResponse:
@@ -423,6 +439,8 @@ class _Stream:
         those the stream never read (the call ended first: cancelled before its first token, say)."""
         if output is None:
             return
+        if output.finish_reason is not None:
+            self._engine_finish_reason = output.finish_reason
         self.evictions.extend(output.evictions)
         if output.cache_account is not None:
             self.account = output.cache_account

@@ -14,18 +14,23 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from prefixcache.services.scheduler.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
+
 if TYPE_CHECKING:
     from prefixcache.services.scheduler.request import RequestOutput
     from prefixcache.services.scheduler.scheduler import Scheduler
 
 PREFIX = "prefixcache"
+FINISH_ERROR = "error"  # lost with the worker: the stream ended UNAVAILABLE
+FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR)
 
 
 class SchedulerMetrics(Collector):
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self._scheduler: Scheduler | None = None
-        self._finished: dict[str, int] = {}  # finish reason -> requests
+        # finish reason -> requests; every reason from the start, so a first error is an increase
+        self._finished: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)
         self._generation_tokens = 0
         self._prompt_tokens = 0
         self._worker_losses = 0
@@ -40,22 +45,23 @@ class SchedulerMetrics(Collector):
     def request_added(self, prompt_tokens: int) -> None:
         self._prompt_tokens += prompt_tokens
 
-    def output_delivered(self, output: RequestOutput) -> None:
+    def output_delivered(self, output: RequestOutput, count_finish: bool = True) -> None:
+        """Count an engine output's tokens and, unless `count_finish` is False (its caller reports
+        the request's reason itself, see `request_finished`), its finish reason."""
         self._generation_tokens += len(output.new_token_ids)
-        if output.finish_reason is not None:
-            self._finished[output.finish_reason] = self._finished.get(output.finish_reason, 0) + 1
+        if count_finish and output.finish_reason is not None:
+            self.request_finished(output.finish_reason)
 
-    def finish_reason_corrected(self, counted: str, actual: str) -> None:
-        """A request counted as finished for `counted` ended, as its client was told, for `actual`."""
-        self._finished[counted] -= 1
-        self._finished[actual] = self._finished.get(actual, 0) + 1
+    def request_finished(self, reason: str) -> None:
+        """A request ended for `reason`, as its client was told."""
+        self._finished[reason] += 1
 
     def worker_lost(self) -> None:
         self._worker_losses += 1
 
     def request_failed(self) -> None:
         """A request lost with the worker: its stream ends with UNAVAILABLE, not with an output."""
-        self._finished["error"] = self._finished.get("error", 0) + 1
+        self.request_finished(FINISH_ERROR)
 
     def exposition(self) -> bytes:
         """The text format, as an HTTP /metrics handler returns it."""
@@ -80,7 +86,8 @@ class SchedulerMetrics(Collector):
             return
         counters = self._scheduler.counters
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", counters.queried_tokens)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", counters.hit_tokens)
+        yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache (the last token's block of "
+                      "a full match is recomputed, not served).", counters.hit_tokens)
         yield counter("prefix_cache_evictions", "Cached blocks evicted to make room.", counters.evictions)
         yield counter("preemptions", "Requests preempted (recomputed) for lack of KV blocks.", counters.preemptions)
         yield counter("steps", "Scheduler steps executed.", counters.steps)

@@ -228,8 +228,21 @@ def test_reset_refuses_while_blocks_are_held_then_forgets_everything():
     events = drained_events(m)
     assert [(e.block_id, e.evicting_request_id, e.storing_request_id, e.reason) for e in events] == [
         (0, None, "a", "reset"), (1, None, "a", "reset")]
+    # A reset is no eviction pressure: what it dropped, and what was evicted before it, misses "cold".
     hits, account = m.get_computed_blocks(KVRequest("b", list(range(8))))
-    assert (hits, account.miss_reason) == ([], "evicted")
+    assert (hits, account.miss_reason) == ([], "cold")
+
+
+def test_a_reset_forgets_earlier_evictions_too():
+    m = manager(num_blocks=4)
+    admit(m, KVRequest("a", list(range(8))))
+    m.free("a")
+    admit(m, KVRequest("b", list(range(100, 116))))  # takes all four blocks: a's two are evicted
+    m.free("b")
+    assert m.get_computed_blocks(KVRequest("c", list(range(8))))[1].miss_reason == "evicted"
+    assert m.reset_prefix_cache() is True
+    assert m.get_computed_blocks(KVRequest("c", list(range(8))))[1].miss_reason == "cold"
+    assert m.stats().evictions == 2  # a's blocks, to make room; the reset dropping b's four is no eviction
 
 
 def test_disabled_caching_hashes_nothing_and_reuses_freed_blocks_first():

@@ -108,11 +108,12 @@ class ReferenceCache:
         self.num_cached.pop(request_id, None)
 
     def reset(self) -> bool:
+        """Forget every identity, and which were evicted: a reset is neither an eviction nor remembered."""
         if any(self.ref):
             return False
-        for block, identity in enumerate(self.identity):
-            if identity is not None:
-                self._evict(block)
+        self.identity = [None] * len(self.identity)
+        self.holders.clear()
+        self.ever_evicted.clear()
         return True
 
 

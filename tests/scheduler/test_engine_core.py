@@ -239,7 +239,7 @@ def test_a_request_that_streamed_nothing_survives_a_worker_loss():
         assert tokens_of(outputs) == reference_generation(prompt, 6, VOCAB)
         assert outputs[-1].finish_reason == "length"
         assert outputs[-1].usage.cached_tokens == 0  # computed again, on the new worker's empty cache
-        assert 'finish_reason="error"' not in engine.metrics.exposition().decode()
+        assert 'prefixcache_requests_finished_total{finish_reason="error"} 0.0' in engine.metrics.exposition().decode()
         # Each prompt counted once: "next" was admitted before the loss, and not counted again after.
         assert engine.cache_stats().queries == 2 * len(prompt)
 

@@ -121,15 +121,27 @@ def test_a_stop_string_the_engine_finished_before_is_counted_as_stop(tokenizer: 
     generated = reference_generation(PROMPT, 200, tokenizer.vocab_size, frozenset(SPECIAL_IDS))
     k, stop = stop_string_at(tokenizer, generated, 150)
 
+    length_series = 'prefixcache_requests_finished_total{finish_reason="length"}'
+    scraped_lengths: list[str] = []  # what a Prometheus scrape would have read at every turn of the loop
+
+    async def scrape(engine) -> None:
+        while True:
+            _, found, rest = engine.metrics.exposition().decode().partition(length_series)
+            scraped_lengths.append(rest.split()[0] if found else "absent")
+            await asyncio.sleep(0)
+
     async def main() -> tuple[Completion, str]:
         async with engine_api(tokenizer) as (target, engine), EngineClient(target) as client:
+            scraper = asyncio.create_task(scrape(engine))
             completion = await client.complete(build_request(token_ids=PROMPT, max_tokens=200, stop=[stop]))
+            scraper.cancel()
             return completion, engine.metrics.exposition().decode()
 
     completion, metrics = asyncio.run(asyncio.wait_for(main(), 60))
     assert completion.finish_reason == "stop" and completion.usage.completion_tokens == k + 1
     assert 'prefixcache_requests_finished_total{finish_reason="stop"} 1.0' in metrics
-    assert 'prefixcache_requests_finished_total{finish_reason="length"} 1.0' not in metrics
+    # Never counted as "length" in between: a counter that went 0 -> 1 -> 0 would read as a reset.
+    assert len(scraped_lengths) > 10 and set(scraped_lengths) == {"0.0"}
 
 
 def test_a_client_that_stops_reading_and_times_out_leaves_no_traceback(tokenizer: TextTokenizer,

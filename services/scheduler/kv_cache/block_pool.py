@@ -81,7 +81,7 @@ class BlockPool:
         self._num_pending_events = 0
         self._max_pending_events = max_pending_events
         self.events_dropped = 0
-        self.num_evictions = 0
+        self.num_evictions = 0  # blocks evicted to make room (a reset's are not counted)
 
     @property
     def num_free_blocks(self) -> int:
@@ -123,9 +123,10 @@ class BlockPool:
         else:  # the common case, in bulk: every hash had this one block
             deque(map(cached.__delitem__, hashes), maxlen=0)
             lost = hashes
-        self._remember_evictions(lost)
+        if reason == "allocation":  # a reset is no eviction pressure: what it drops misses as "cold"
+            self._remember_evictions(lost)
+            self.num_evictions += len(block_ids)
         self.num_cached_blocks -= len(block_ids)
-        self.num_evictions += len(block_ids)
         self._add_pending(EvictionBatch(request_id, reason, block_ids, hashes,
                                         list(map(self.stored_by.__getitem__, block_ids)), time.time_ns()))
 
@@ -199,10 +200,13 @@ class BlockPool:
         self.free_queue.push_front_n(unhashed)
 
     def reset(self) -> bool:
-        """Forget every cached hash; refuses (False) while any block is in use."""
+        """Forget every cached hash, and which were evicted (later misses are "cold"); refuses
+        (False) while any block is in use."""
         if len(self.free_queue) != self.num_blocks:
             return False
         self._evict([b for b, h in enumerate(self.block_hashes) if h is not None], None, "reset")
+        self._evicted_current.clear()  # nothing evicted before is in the cache either: cold again
+        self._evicted_previous.clear()
         return True
 
     def take_events(self) -> list[EvictionBatch]:

@@ -52,8 +52,8 @@ class CacheAccount:
     """Why a lookup hit what it hit. All counts are for one lookup of one request.
 
     miss_reason: `full_hit` every full block was cached; `cold` the first missing block was never
-    cached (or was evicted too long ago to remember); `evicted` it was cached and recently
-    evicted; `no_full_block` the prompt is shorter than one block; `disabled` caching is off.
+    cached (or was evicted too long ago to remember, or dropped by a prefix-cache reset);
+    `evicted` it was cached and recently evicted to make room; `no_full_block` the prompt is shorter than one block; `disabled` caching is off.
     """
 
     queried_tokens: int  # the request's tokens
@@ -76,7 +76,7 @@ class CacheStats:
     cached_blocks: int  # holding a reusable hash, used or free
     queries: int
     hits: int
-    evictions: int
+    evictions: int  # cached blocks evicted to make room (not those a reset dropped)
     events_dropped: int  # eviction events lost because nobody drained them
 
 
