@@ -73,8 +73,16 @@ def test_bad_input_exits_2_with_a_message_naming_the_problem():
         (("--model-id", "m"), "[1, -2]", "token_ids[1]"),
         (("--model-id", "m"), "{\"a\": 1}", "JSON array"),
         (("--model-id", "m"), "not json", "not JSON"),
-        (("--model-id", "m", "--lora", "adapter:"), "[1]", "NAME or NAME:DIGEST"),
+        (("--model-id", "m", "--lora", ":ab"), "[1]", "NAME, NAME:DIGEST or NAME:"),
         (("--model-id", "m", "--lora", "adapter:xyz"), "[1]", "hex"),
+        (("--model-id", "m", "--lora", "adapter:00 11"), "[1]", "even number of hex digits"),
+        (("--model-id", "m", "--lora", "adapter:00\n"), "[1]", "even number of hex digits"),
+        (("--model-id", "m", "--lora", "adapter:abc"), "[1]", "even number of hex digits"),
+        # int() would take these; the spec's integers are ASCII digits.
+        (("--block-size", " 4", "--model-id", "m"), "[1]", "expected a decimal integer"),
+        (("--block-size", "+16", "--model-id", "m"), "[1]", "expected a decimal integer"),
+        (("--block-size", "1_6", "--model-id", "m"), "[1]", "expected a decimal integer"),
+        (("--block-size", "\u0664", "--model-id", "m"), "[1]", "expected a decimal integer"),
         (("--model-id", "m", "--mm", "img:x:3"), "[1]", "--mm"),
         (("--model-id", "m", "--mm", "img:1"), "[1]", "expected ID:OFFSET:LENGTH"),
         (("--model-id", "m", "--lora", "a", "--lora", "b"), "[1]", "--lora given more than once"),
@@ -95,3 +103,27 @@ def test_the_salt_is_never_echoed():
     result = block_hashes("--model-id", "m", "--cache-salt", "hunter2", stdin="[1, -1]")
     assert result.returncode == 2
     assert "hunter2" not in result.stderr + result.stdout
+
+
+def test_a_colon_ended_lora_name_has_no_digest():
+    result = block_hashes("--block-size", "4", "--model-id", "m", "--lora", "team:adapter:", stdin="[1,2,3,4]")
+    expected = BlockHasher(4, "sha256", "m").hash_blocks([1, 2, 3, 4], BlockExtras(lora_name="team:adapter"))
+    assert result.stdout.splitlines() == [h.hex() for h in expected], result.stderr
+
+
+def test_an_empty_salt_variable_is_refused_not_taken_as_no_salt():
+    env = {**os.environ, "PREFIXCACHE_CACHE_SALT": ""}
+    result = block_hashes("--block-size", "4", "--model-id", "m", stdin="[1,2,3,4]", env=env)
+    assert result.returncode == 2 and result.stdout == ""
+    assert "$PREFIXCACHE_CACHE_SALT is set but empty" in result.stderr
+
+
+def test_arguments_are_read_as_utf8_whatever_the_locale():
+    """Under the C locale without UTF-8 mode, Python decodes arguments as ASCII: their bytes are
+    still the UTF-8 text the spec hashes."""
+    vector = VECTORS["unicode-text"]
+    env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    result = block_hashes("--block-size", "4", "--model-id", vector["model_id"],
+                          "--cache-salt", vector["extras"]["cache_salt"], stdin=json.dumps(vector["tokens"]), env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == vector["hashes"]

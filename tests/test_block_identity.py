@@ -167,7 +167,8 @@ def test_xxhash_seed_is_random_per_process_unless_pythonhashseed_is_set():
     assert pinned == _xxhash_root_in_subprocess("42") != _xxhash_root_in_subprocess("43")
     assert pinned == BlockHasher(16, "xxhash", "m", seed=xxhash_seed_from_env("42")).root.hex()
     assert xxhash_seed_from_env("random") is None and xxhash_seed_from_env(None) is None
-    for unclear in ("+1", " 1", "1_0", "-1", "\u0661", "0x1"):  # decimal ASCII digits only, as the spec says
+    assert xxhash_seed_from_env("4294967295") is not None  # CPython's largest
+    for unclear in ("+1", " 1", "1_0", "-1", "\u0661", "0x1", "4294967296"):  # decimal ASCII digits only, as the spec says
         with pytest.raises(ValueError, match="PYTHONHASHSEED"):
             xxhash_seed_from_env(unclear)
 

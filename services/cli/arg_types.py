@@ -45,6 +45,14 @@ def bounded_float(low: float, high: float = math.inf, *, low_open: bool = False)
     return parse
 
 
+def decimal_uint(text: str) -> int:
+    """An argparse type: an integer written in ASCII digits only (no sign, spaces, `_` or other
+    scripts' digits, which `int()` would take)."""
+    if not re.fullmatch(r"[0-9]+", text):
+        raise argparse.ArgumentTypeError(f"expected a decimal integer, got {text!r}")
+    return int(text)
+
+
 def non_empty(text: str) -> str:
     """An argparse type: any text but the empty string (which the server refuses for these fields)."""
     if not text:

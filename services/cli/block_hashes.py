@@ -8,8 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
+from prefixcache.services.cli.arg_types import decimal_uint
 from prefixcache.services.cli.salt_env import CACHE_SALT_ENV, cache_salt
 from prefixcache.services.common.block_identity import (
     HASH_ALGOS,
@@ -21,23 +23,23 @@ from prefixcache.services.common.block_identity import (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per block (a power of two)")
+    parser.add_argument("--block-size", type=decimal_uint, default=16, help="tokens per block (a power of two)")
     parser.add_argument("--hash-algo", choices=HASH_ALGOS, default="sha256")
     parser.add_argument("--model-id", required=True, help="the model id the engine was started with")
     parser.add_argument("--cache-salt", help=f"the request's cache salt (default: ${CACHE_SALT_ENV}, which other "
                         "users' `ps` cannot see)")
     parser.add_argument("--lora", metavar="NAME[:DIGEST]", action="append", default=[],
                         help="LoRA adapter name and, if the deployment has one, its weights digest in hex "
-                             "(after the last colon)")
+                             "(after the last colon; a name holding a colon and no digest ends with one)")
     parser.add_argument("--mm", metavar="ID:OFFSET:LENGTH", action="append", default=[],
                         help="a multimodal item (repeatable, in prompt order)")
 
 
 def run(args: argparse.Namespace) -> int:
-    args.cache_salt = cache_salt(args.cache_salt)
     try:
+        args.cache_salt = cache_salt(args.cache_salt)
         for option in ("model_id", "cache_salt", "lora", "mm"):
-            _check_utf8(option, getattr(args, option))
+            setattr(args, option, _as_utf8(option, getattr(args, option)))
         token_ids = _read_token_ids(sys.stdin.read())
         hasher = BlockHasher(args.block_size, args.hash_algo, args.model_id)
         extras = BlockExtras(*_parse_lora(args.lora), mm_items=tuple(map(_parse_mm, args.mm)),
@@ -67,13 +69,16 @@ def _read_token_ids(text: str) -> list[int]:
     return value
 
 
-def _check_utf8(option: str, value: str | list[str] | None) -> None:
-    """Refuse an argument that is not valid UTF-8 (the shell passed raw bytes), naming the option."""
-    for text in [value] if isinstance(value, str) else value or []:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(f"--{option.replace('_', '-')} is not valid UTF-8 text") from None
+def _as_utf8(option: str, value: str | list[str] | None) -> str | list[str] | None:
+    """The argument's bytes read as UTF-8, whatever the locale decoded them as (a Latin-1 locale
+    turns the two bytes of `é` into `Ã©`); not valid UTF-8 is refused, naming the option."""
+    if value is None:
+        return None
+    try:
+        texts = [os.fsencode(text).decode("utf-8") for text in ([value] if isinstance(value, str) else value)]
+    except UnicodeDecodeError:
+        raise ValueError(f"--{option.replace('_', '-')} is not valid UTF-8 text") from None
+    return texts[0] if isinstance(value, str) else texts
 
 
 def _parse_lora(specs: list[str]) -> tuple[str | None, bytes | None]:
@@ -85,12 +90,13 @@ def _parse_lora(specs: list[str]) -> tuple[str | None, bytes | None]:
     name, separator, digest = spec.rpartition(":")
     if not separator:  # a name alone: an adapter without a digest, as the engine hashes it today
         return spec, None
-    if not name or not digest:
-        raise ValueError(f"--lora must be NAME or NAME:DIGEST, got {spec!r}")
-    try:
-        return name, bytes.fromhex(digest)
-    except ValueError:
-        raise ValueError(f"--lora digest must be hex, got {digest!r}") from None
+    if not name:
+        raise ValueError(f"--lora must be NAME, NAME:DIGEST or NAME: (no digest), got {spec!r}")
+    if not digest:  # "NAME:": a name that holds colons itself, without a digest
+        return name, None
+    if not re.fullmatch(r"(?:[0-9a-fA-F]{2})+", digest):
+        raise ValueError(f"--lora digest must be an even number of hex digits, got {digest!r}")
+    return name, bytes.fromhex(digest)
 
 
 def _parse_mm(spec: str) -> MultiModalItem:

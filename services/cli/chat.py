@@ -24,6 +24,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        sampling = sampling_kwargs(args)
+    except ValueError as error:  # an empty $PREFIXCACHE_CACHE_SALT
+        print(f"prefixcache chat: {error}", file=sys.stderr)
+        return 2
     history: list[tuple[str, str]] = []
     if args.system is not None:
         history.append(("system", args.system))
@@ -41,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
                     continue
                 completion = Completion()
                 print("assistant> ", end="", flush=True)
-                request = build_request(messages=[*history, ("user", line)], **sampling_kwargs(args))
+                request = build_request(messages=[*history, ("user", line)], **sampling)
                 try:
                     async for chunk in engine.generate(request):
                         completion.add(chunk)

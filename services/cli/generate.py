@@ -34,7 +34,11 @@ def run(args: argparse.Namespace) -> int:
         print("prefixcache generate: --logprobs needs --json (the streamed text has no room for them)",
               file=sys.stderr)
         return 2
-    options = {"request_id": args.request_id, "logprobs": args.logprobs, **sampling_kwargs(args)}
+    try:
+        options = {"request_id": args.request_id, "logprobs": args.logprobs, **sampling_kwargs(args)}
+    except ValueError as error:  # an empty $PREFIXCACHE_CACHE_SALT
+        print(f"prefixcache generate: {error}", file=sys.stderr)
+        return 2
     if args.system is not None:
         request = build_request(messages=[("system", args.system), ("user", args.prompt)], **options)
     elif args.chat:

@@ -7,7 +7,13 @@ CACHE_SALT_ENV = "PREFIXCACHE_CACHE_SALT"
 
 
 def cache_salt(given: str | None, tenant: str | None = None) -> str | None:
-    """The salt given on the command line, else the environment's (unless a tenant was given)."""
+    """The salt given on the command line, else the environment's (unless a tenant was given).
+
+    Raises ValueError if the variable is set but empty: a tenant whose salt went missing must not
+    silently share every unsalted prefix."""
     if given is not None or tenant is not None:
         return given
-    return os.environ.get(CACHE_SALT_ENV) or None
+    salt = os.environ.get(CACHE_SALT_ENV)
+    if salt == "":
+        raise ValueError(f"${CACHE_SALT_ENV} is set but empty; unset it for no salt")
+    return salt

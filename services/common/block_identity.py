@@ -32,6 +32,7 @@ XXHASH_SEED_DOMAIN = "prefixcache/block/v1/xxhash-seed"
 HASH_ALGOS = ("sha256", "xxhash")
 DIGEST_SIZES = {"sha256": 32, "xxhash": 16}
 MAX_BLOCK_SIZE = 1 << 16
+MAX_PYTHONHASHSEED = 4_294_967_295  # CPython's own limit: it refuses to start with a larger value
 
 BlockHash = NewType("BlockHash", bytes)
 
@@ -155,6 +156,8 @@ def xxhash_seed_from_env(pythonhashseed: str | None) -> int | None:
     if not re.fullmatch(r"[0-9]+", pythonhashseed):
         raise ValueError(f"PYTHONHASHSEED must be 'random' or a decimal integer >= 0, got {pythonhashseed!r}")
     value = int(pythonhashseed)
+    if value > MAX_PYTHONHASHSEED:
+        raise ValueError(f"PYTHONHASHSEED must be at most {MAX_PYTHONHASHSEED}, got {pythonhashseed!r}")
     digest = hashlib.sha256(cbor.encode([XXHASH_SEED_DOMAIN, value])).digest()
     return int.from_bytes(digest[:8], "big")
 
