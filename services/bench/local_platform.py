@@ -9,15 +9,17 @@ import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from prefixcache.services.cli.launcher import LocalPlatform, PlatformConfig, free_port
-from prefixcache.services.common.model_store import ensure_default_model
+if TYPE_CHECKING:
+    from prefixcache.services.cli.launcher import LocalPlatform
 
 
 @dataclass(frozen=True)
 class LocalSettings:
     """What the benchmark's local platforms run with; both modes get the same except the cache."""
 
+    model_dir: Path | None = None  # None: the embedded model (pulled on first use)
     dtype: str = "float32"
     kv_cache_memory: str = "1GiB"  # worker's KV budget; a small one makes `thrash` cheap
     scheduler_args: tuple[str, ...] = ()  # extra scheduler flags, e.g. ("--max-num-seqs", "16")
@@ -27,10 +29,14 @@ class LocalSettings:
 @contextlib.asynccontextmanager
 async def local_platform(settings: LocalSettings, prefix_caching: bool) -> AsyncIterator[str]:
     """Start tokenizer, worker and scheduler as separate processes; yield the Engine's HOST:PORT."""
+    # Imported here, so that the CLI's `bench --help` loads no gRPC.
+    from prefixcache.services.cli.launcher import LocalPlatform, PlatformConfig, free_port
+    from prefixcache.services.common.model_store import ensure_default_model
+
     log_dir = Path(tempfile.mkdtemp(prefix="prefixcache-bench-"))
     platform = LocalPlatform(
         PlatformConfig(
-            model_dir=ensure_default_model(),
+            model_dir=settings.model_dir or ensure_default_model(),
             log_dir=log_dir,
             engine_port=free_port(),
             engine_host="127.0.0.1",
@@ -50,7 +56,18 @@ async def local_platform(settings: LocalSettings, prefix_caching: bool) -> Async
         yield platform.engine_address
     finally:
         try:
-            await asyncio.to_thread(platform.stop)
+            await _stop(platform)
         finally:
             if not keep_logs:
                 shutil.rmtree(log_dir, ignore_errors=True)
+
+
+async def _stop(platform: LocalPlatform) -> None:
+    """`platform.stop()` in a thread, run to its end even if the caller is cancelled meanwhile (the
+    cancellation is then passed on): the services must be gone before their log folder is."""
+    stopping = asyncio.ensure_future(asyncio.to_thread(platform.stop))
+    try:
+        await asyncio.shield(stopping)
+    except asyncio.CancelledError:
+        await stopping
+        raise

@@ -71,6 +71,10 @@ class BenchOutcome:
         """The workloads that ran in at least one mode."""
         return {name: result for name, result in self.results.items() if result.summaries}
 
+    def complete(self, modes: Sequence[str]) -> bool:
+        """Whether every workload ran in every one of `modes`."""
+        return all(set(modes) <= result.summaries.keys() for result in self.results.values())
+
     @property
     def failed_requests(self) -> int:
         return sum(s.failed for r in self.results.values() for s in r.summaries.values())

@@ -183,7 +183,8 @@ def _conversation_length(drawn: int, remaining: int, turns: IntRange) -> int:
 
 def _splits(total: int, turns: IntRange) -> bool:
     """Whether `total` requests make whole conversations of lengths within `turns` (none for 0)."""
-    return total == 0 or any(k * turns.low <= total <= k * turns.high for k in range(1, total // turns.low + 1))
+    fewest = -(-total // turns.high)  # conversations needed; more of them only need more requests
+    return fewest * turns.low <= total
 
 
 def check_few_shot(options: WorkloadOptions) -> None:

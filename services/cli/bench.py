@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 from collections.abc import Coroutine
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from prefixcache.services.bench.local_platform import LocalSettings
@@ -140,8 +141,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"prefixcache bench: {error}", file=sys.stderr)
         return 2
 
+    if config.target is None and config.local.model_dir is None:
+        # Before the signal handlers: pulling the model on first use runs outside the event loop.
+        from prefixcache.services.common.model_store import ensure_default_model
+
+        try:
+            config = replace(config, local=replace(config.local, model_dir=ensure_default_model()))
+        except KeyboardInterrupt:
+            return 128 + signal.SIGINT
     outcome = BenchOutcome.for_workloads(config.workloads)
-    cut_short = True
     try:
         stopped_by = _run_until_signalled(run_session(config, outcome=outcome))
     except (ValueError, RuntimeError, TimeoutError) as error:
@@ -149,16 +157,14 @@ def run(args: argparse.Namespace) -> int:
     except grpc.RpcError as error:  # a failure outside a request (Describe, stats): the server's status
         code, problem = 1, f"{error.code().name}: {error.details()}"
     else:
-        if stopped_by is not None:
+        code, problem = 0, None
+        if stopped_by is not None and not outcome.complete(config.modes):  # a signal during the last stop cuts nothing
             code, problem = 128 + stopped_by, f"stopped by {signal.Signals(stopped_by).name}"
-        else:
-            cut_short = False
-            code, problem = 0, None
-            if outcome.failed_requests:
-                code, problem = 1, f"{outcome.failed_requests} requests failed; the first: {outcome.first_error()}"
+        elif outcome.failed_requests:
+            code, problem = 1, f"{outcome.failed_requests} requests failed; the first: {outcome.first_error()}"
     if outcome.finished_results:  # what finished is reported even when the run was cut short
         code = _report(outcome, args) or code
-        if cut_short:
+        if not outcome.complete(config.modes):
             print("prefixcache bench: the run was cut short; the results above are of the workloads that finished",
                   file=sys.stderr)
     if problem is not None:
@@ -176,7 +182,8 @@ def _local_settings(args: argparse.Namespace) -> LocalSettings:
 
 def _run_until_signalled(session: Coroutine[Any, Any, object]) -> int | None:
     """Run `session`; the first SIGINT or SIGTERM cancels it, and its clean-up (stopping the local
-    platform it started) then runs undisturbed by further signals. Returns that signal, or None."""
+    platform it started) then runs undisturbed by further signals. Returns that signal, or None.
+    A signal this process was started with ignored stays ignored."""
 
     async def main() -> int | None:
         task = asyncio.ensure_future(session)
@@ -189,7 +196,8 @@ def _run_until_signalled(session: Coroutine[Any, Any, object]) -> int | None:
 
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop, signum)
+            if signal.getsignal(signum) is not signal.SIG_IGN:  # started with it ignored (`cmd &`): keep it so
+                loop.add_signal_handler(signum, stop, signum)
         try:
             await task
         except asyncio.CancelledError:

@@ -6,6 +6,9 @@ turns arrive, so this in-process Engine records both; the e2e test runs against 
 import asyncio
 import importlib.util
 import json
+import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent import futures
@@ -17,7 +20,8 @@ import pytest
 from prefixcache.protos.engine.v1 import engine_pb2, engine_pb2_grpc
 from prefixcache.services.bench.driver import TenantSalts, drive
 from prefixcache.services.bench.engine import EngineEndpoint
-from prefixcache.services.bench.session import BenchConfig, run_session
+from prefixcache.services.bench.metrics import summarize
+from prefixcache.services.bench.session import BenchConfig, BenchOutcome, run_session
 from prefixcache.services.bench.workloads import IntRange, WorkloadOptions, generate
 from prefixcache.services.cli import main as cli
 
@@ -247,3 +251,38 @@ def test_local_platform_options_are_refused_with_a_target(engine_server, capsys)
     assert "--kv-cache-memory, --startup-timeout configure the local platform, which --target replaces" \
         in capsys.readouterr().err
     assert servicer.started == []
+
+
+@pytest.mark.parametrize("ignored", [False, True], ids=["sigint", "sigint-ignored"])
+def test_sigint_stops_a_run_unless_the_bench_was_started_with_it_ignored(engine_server, ignored):
+    servicer, target = engine_server
+    command = [sys.executable, "-m", "prefixcache.services.cli.main", "bench", "--target", target,
+               "--workload", "unique", "--num-requests", "150", "--concurrency", "1", "--prefix-len", "64",
+               "--suffix-len", "4:20", "--output-len", "4", "--warmup", "0", "--no-progress"]
+    # As `cmd &` in a non-interactive shell starts it: SIGINT ignored, which the bench must keep.
+    bench = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignored else None)
+    try:
+        deadline = time.monotonic() + 60
+        while not servicer.started:  # requests are flowing (150 take about 3 s)
+            assert bench.poll() is None and time.monotonic() < deadline, bench.communicate()
+            time.sleep(0.05)
+        bench.send_signal(signal.SIGINT)
+        out, err = bench.communicate(timeout=60)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    if ignored:
+        assert bench.returncode == 0 and len(servicer.finished) == 150, err
+    else:
+        assert bench.returncode == 130 and "stopped by SIGINT" in err and "Traceback" not in err, err
+        assert len(servicer.finished) < 150
+
+
+def test_an_outcome_is_complete_only_when_every_workload_ran_in_every_mode():
+    outcome = BenchOutcome.for_workloads(["unique", "thrash"])
+    summary = summarize([])
+    outcome.results["unique"].summaries["cache"] = summary
+    assert not outcome.complete(["cache"]) and list(outcome.finished_results) == ["unique"]
+    outcome.results["thrash"].summaries["cache"] = summary
+    assert outcome.complete(["cache"]) and not outcome.complete(["cache", "no_cache"])

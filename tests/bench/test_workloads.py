@@ -141,3 +141,12 @@ def test_multi_turn_conversations_stay_within_the_turns_range(turns):
             assert len(requests) == num_requests
             assert max(lengths) <= turns.high
             assert min(lengths) >= turns.low or not splits, (num_requests, seed, sorted(lengths))
+
+
+def test_the_split_check_agrees_with_trying_every_number_of_conversations():
+    from prefixcache.services.bench.workloads import _splits
+
+    for turns in (IntRange(1, 1), IntRange(4, 8), IntRange(3, 4), IntRange(5, 5), IntRange(2, 9)):
+        for total in range(0, 80):
+            brute = total == 0 or any(k * turns.low <= total <= k * turns.high for k in range(1, total + 1))
+            assert _splits(total, turns) == brute, (turns, total)
