@@ -259,9 +259,11 @@ def test_sigint_stops_a_run_unless_the_bench_was_started_with_it_ignored(engine_
     command = [sys.executable, "-m", "prefixcache.services.cli.main", "bench", "--target", target,
                "--workload", "unique", "--num-requests", "150", "--concurrency", "1", "--prefix-len", "64",
                "--suffix-len", "4:20", "--output-len", "4", "--warmup", "0", "--no-progress"]
-    # As `cmd &` in a non-interactive shell starts it: SIGINT ignored, which the bench must keep.
-    bench = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignored else None)
+    if ignored:  # as `cmd &` in a non-interactive shell starts it: SIGINT ignored, which the bench must keep
+        # (a shell's trap, not a preexec_fn: Python code between fork and exec, in a process serving
+        # gRPC on other threads, can abort the child)
+        command = ["bash", "-c", 'trap "" INT; exec "$@"', "bash", *command]
+    bench = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         while not servicer.started:  # requests are flowing (150 take about 3 s)
