@@ -188,6 +188,8 @@ def _run_until_signalled(session: Coroutine[Any, Any, object]) -> int | None:
     platform it started) then runs undisturbed by further signals. Returns that signal, or None.
     A signal this process was started with ignored stays ignored."""
 
+    from prefixcache.services.common.grpc_server import shutdown_signals
+
     async def main() -> int | None:
         task = asyncio.ensure_future(session)
         received: list[int] = []
@@ -198,9 +200,8 @@ def _run_until_signalled(session: Coroutine[Any, Any, object]) -> int | None:
                 task.cancel()
 
         loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            if signal.getsignal(signum) is not signal.SIG_IGN:  # started with it ignored (`cmd &`): keep it so
-                loop.add_signal_handler(signum, stop, signum)
+        for signum in shutdown_signals():  # the services' rule: a SIGINT ignored at start stays ignored
+            loop.add_signal_handler(signum, stop, signum)
         try:
             await task
         except asyncio.CancelledError:

@@ -112,7 +112,7 @@ async def _serve(
     log.info("%s listening on port %d", service_name, port)
 
     stop = asyncio.Event()
-    stop_signals = _stop_signals()
+    stop_signals = shutdown_signals()
     set_on_signals(stop, stop_signals)
 
     starting = asyncio.ensure_future(startup()) if startup is not None else None
@@ -175,7 +175,7 @@ def set_on_signals(event: asyncio.Event, signums: tuple[signal.Signals, ...]) ->
         signal.signal(signum, handle)
 
 
-def _stop_signals() -> tuple[signal.Signals, ...]:
+def shutdown_signals() -> tuple[signal.Signals, ...]:
     """SIGTERM, and SIGINT unless this process was started with it ignored: a supervisor (such as
     `prefixcache serve`) that orders its services' shutdown keeps the terminal's Ctrl-C from them."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
