@@ -203,8 +203,12 @@ class KVCacheMachine(RuleBasedStateMachine):
         stats = self.manager.stats()
         assert (stats.queries, stats.hits, stats.evictions, stats.cached_blocks, stats.free_blocks) == (
             reference.queries, reference.hits, reference.evictions, len(hashed), len(free))
+        hasher = self.manager.hasher
         for request in (*self.running.values(), *self.waiting.values()):
             assert self.manager.get_block_ids(request.request_id) == reference.blocks.get(request.request_id, [])
+            # Hashes recalled from the manager's memo are exactly the hasher's.
+            hashed_tokens = request.token_ids[: len(request.block_hashes) * hasher.block_size]
+            assert request.block_hashes == hasher.hash_blocks(hashed_tokens, request.extras)
 
     def teardown(self) -> None:
         if not hasattr(self, "manager"):

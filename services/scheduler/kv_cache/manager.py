@@ -21,6 +21,11 @@ from typing import Literal
 
 from prefixcache.services.common.block_identity import NO_EXTRAS, BlockExtras, BlockHash, BlockHasher
 from prefixcache.services.scheduler.kv_cache.block_pool import BlockPool, EvictionBatch
+from prefixcache.services.scheduler.kv_cache.hash_memo import BlockHashMemo
+
+# Blocks per generation of the hash memo (two generations of at most this many entries, about
+# 200 bytes each): a million tokens of popular prefixes recalled without hashing.
+MAX_HASH_MEMO_BLOCKS = 1 << 16
 
 MissReason = Literal["cold", "evicted", "full_hit", "disabled", "no_full_block"]
 
@@ -115,6 +120,7 @@ class KVCacheManager:
         self.block_size = hasher.block_size
         self.enable_caching = enable_caching
         self._pool = BlockPool(num_blocks, evicted_history, max_pending_events)
+        self._hash_memo = BlockHashMemo(self.block_size, capacity=min(num_blocks, MAX_HASH_MEMO_BLOCKS))
         self._blocks: dict[str, list[int]] = {}  # request id -> its blocks, in token order
         self._num_cached: dict[str, int] = {}  # request id -> how many of its leading blocks are cached
         self._queries = 0
@@ -136,6 +142,12 @@ class KVCacheManager:
             return [], CacheAccount(num_tokens, 0, 0, tail, "disabled", 0, num_full)
         if num_full == 0:
             return [], CacheAccount(num_tokens, 0, 0, tail, "no_full_block", 0, 0)
+        # Hashes of a popular prefix come from the memo; blocks found in the cache are remembered
+        # there. A request looked up before (waiting for room, or preempted) remembered its hits then.
+        num_remembered = num_full
+        if not request.block_hashes:
+            request.block_hashes.extend(self._hash_memo.recall(request.token_ids, request.extras))
+            num_remembered = len(request.block_hashes)
         hashes = self._update_hashes(request)
         cached = self._pool.cached
         found = list(map(cached.get, hashes)) if hashes[0] in cached else [None]
@@ -145,6 +157,8 @@ class KVCacheManager:
             num_found = len(found)
         # The last token must run to produce logits, so at most (num_tokens - 1) tokens hit.
         num_hit = min(num_found, (num_tokens - 1) // block_size)
+        if num_remembered < num_found:
+            self._hash_memo.remember(request.token_ids, request.extras, hashes, num_remembered, num_found)
         if num_found == num_full:
             reason: MissReason = "full_hit"
         elif self._pool.was_evicted(hashes[num_found]):
@@ -243,7 +257,10 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached blocks. Refuses (False) while any request holds blocks."""
-        return self._pool.reset()
+        if not self._pool.reset():
+            return False
+        self._hash_memo.clear()
+        return True
 
     def drain_events(self) -> list[EvictionBatch]:
         """Evictions since the last drain, one batch per evicting allocation (or reset), oldest
