@@ -63,7 +63,7 @@ class BlockHashMemo:
         found: BlockHash | None = None
         # Token ids are turned into words a window at a time, doubling, so that a prompt whose
         # first blocks are not remembered costs little more than its first block.
-        start, window, stride = 0, 4, 4 * block_size
+        start, window, stride = 0, 1, 4 * block_size
         while start < num_blocks:
             stop = min(start + window, num_blocks)
             words = _words(token_ids[start * block_size : stop * block_size])
