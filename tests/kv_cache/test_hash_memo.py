@@ -130,3 +130,24 @@ def test_random_prompts_hash_alike_through_the_manager_and_the_hasher():
         assert request.block_hashes == hasher.hash_blocks(tokens, request.extras)
         if m.allocate_slots(request, len(tokens) - len(hits) * 4, hits) is not None:
             m.free(request.request_id)
+
+
+def test_a_salt_is_kept_only_as_a_digest():
+    salt = "s" * 100_000
+    memo = remembered(list(range(4)), BlockExtras(cache_salt=salt))
+    (key,) = memo._newer  # the one stored key
+    assert salt.encode() not in b"".join(key[1:])
+    assert sum(map(len, key[1:])) == 16 + 32
+
+
+def test_the_manager_keeps_no_memo_where_recalling_costs_as_much_as_hashing():
+    xxhash_manager = KVCacheManager(8, BlockHasher(4, "xxhash", "test-model@1", seed=1))
+    uncached = KVCacheManager(8, BlockHasher(4, "sha256", "test-model@1"), enable_caching=False)
+    for m in (xxhash_manager, uncached):
+        for name in ("a", "b"):
+            request = KVRequest(name, list(range(9)))
+            hits, _ = m.get_computed_blocks(request)
+            m.allocate_slots(request, 9 - 4 * len(hits), hits)
+            m.free(name)
+        assert m._hash_memo is None
+    assert xxhash_manager.reset_prefix_cache()

@@ -15,7 +15,8 @@ from prefixcache.services.common.block_identity import NO_EXTRAS, BlockExtras, B
 from prefixcache.services.scheduler.kv_cache import CacheAccount, KVCacheManager, KVRequest
 
 PREFIXES = ([1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 50, 51, 52, 53], [7, 7, 7, 7, 7, 7, 7, 7])
-EXTRAS = (NO_EXTRAS, BlockExtras(cache_salt="tenant"), BlockExtras(lora_name="adapter", lora_digest=b"\x01"))
+EXTRAS = (NO_EXTRAS, BlockExtras(cache_salt="tenant"), BlockExtras(cache_salt="other tenant"),
+          BlockExtras(lora_name="adapter", lora_digest=b"\x01"), BlockExtras(lora_name="adapter"))
 
 
 class ReferenceCache:

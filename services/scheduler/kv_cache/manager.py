@@ -24,7 +24,7 @@ from prefixcache.services.scheduler.kv_cache.block_pool import BlockPool, Evicti
 from prefixcache.services.scheduler.kv_cache.hash_memo import BlockHashMemo
 
 # Blocks per generation of the hash memo (two generations of at most this many entries, about
-# 200 bytes each): a million tokens of popular prefixes recalled without hashing.
+# 200 bytes each at block size 16): a million tokens of popular prefixes recalled without hashing.
 MAX_HASH_MEMO_BLOCKS = 1 << 16
 
 MissReason = Literal["cold", "evicted", "full_hit", "disabled", "no_full_block"]
@@ -120,7 +120,9 @@ class KVCacheManager:
         self.block_size = hasher.block_size
         self.enable_caching = enable_caching
         self._pool = BlockPool(num_blocks, evicted_history, max_pending_events)
-        self._hash_memo = BlockHashMemo(self.block_size, capacity=min(num_blocks, MAX_HASH_MEMO_BLOCKS))
+        # Recalling a hash is cheaper than computing it with sha256, not with xxhash (hash_memo.py).
+        self._hash_memo = (BlockHashMemo(self.block_size, capacity=min(num_blocks, MAX_HASH_MEMO_BLOCKS))
+                           if enable_caching and hasher.algo == "sha256" else None)
         self._blocks: dict[str, list[int]] = {}  # request id -> its blocks, in token order
         self._num_cached: dict[str, int] = {}  # request id -> how many of its leading blocks are cached
         self._queries = 0
@@ -131,8 +133,9 @@ class KVCacheManager:
     def get_computed_blocks(self, request: KVRequest) -> tuple[list[int], CacheAccount]:
         """The longest cached prefix of `request` (block ids) and the account explaining it.
 
-        A pure lookup: no reference is taken, so pass the blocks to `allocate_slots` before
-        anything else allocates. Hashes of the request's new full blocks are computed here.
+        No reference is taken and no block changes, so pass the blocks to `allocate_slots` before
+        anything else allocates. Hashes of the request's new full blocks are computed (or recalled)
+        here, and those of the cached prefix it found are remembered for later requests.
         """
         block_size = self.block_size
         num_tokens = len(request.token_ids)
@@ -142,11 +145,13 @@ class KVCacheManager:
             return [], CacheAccount(num_tokens, 0, 0, tail, "disabled", 0, num_full)
         if num_full == 0:
             return [], CacheAccount(num_tokens, 0, 0, tail, "no_full_block", 0, 0)
-        # Hashes of a popular prefix come from the memo; blocks found in the cache are remembered
-        # there. A request looked up before (waiting for room, or preempted) remembered its hits then.
+        # Hashes of a popular prefix come from the memo, and a request's first lookup remembers
+        # there the blocks it found cached (later lookups, while it waits for room or after a
+        # preemption, find what its first one did, or its own blocks).
+        memo = self._hash_memo
         num_remembered = num_full
-        if not request.block_hashes:
-            request.block_hashes.extend(self._hash_memo.recall(request.token_ids, request.extras))
+        if memo is not None and not request.block_hashes:
+            request.block_hashes.extend(memo.recall(request.token_ids, request.extras))
             num_remembered = len(request.block_hashes)
         hashes = self._update_hashes(request)
         cached = self._pool.cached
@@ -158,7 +163,7 @@ class KVCacheManager:
         # The last token must run to produce logits, so at most (num_tokens - 1) tokens hit.
         num_hit = min(num_found, (num_tokens - 1) // block_size)
         if num_remembered < num_found:
-            self._hash_memo.remember(request.token_ids, request.extras, hashes, num_remembered, num_found)
+            memo.remember(request.token_ids, request.extras, hashes, num_remembered, num_found)
         if num_found == num_full:
             reason: MissReason = "full_hit"
         elif self._pool.was_evicted(hashes[num_found]):
@@ -259,7 +264,8 @@ class KVCacheManager:
         """Forget all cached blocks. Refuses (False) while any request holds blocks."""
         if not self._pool.reset():
             return False
-        self._hash_memo.clear()
+        if self._hash_memo is not None:
+            self._hash_memo.clear()
         return True
 
     def drain_events(self) -> list[EvictionBatch]:
