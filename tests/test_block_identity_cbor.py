@@ -1,6 +1,8 @@
 """The hand-written deterministic CBOR encoder produces cbor2's canonical bytes."""
 from __future__ import annotations
 
+import random
+
 import cbor2
 import pytest
 from hypothesis import given, settings
@@ -69,6 +71,55 @@ def test_splicing_several_small_ids_into_one_run():
     assert arrays[0] == cbor2.dumps(values[:16], canonical=True)
     assert len(arrays[0]) == 1 + 3 * 16 - 2 - 1 - 2
     assert arrays == [cbor2.dumps(values[i : i + 16], canonical=True) for i in range(0, len(values), 16)]
+
+
+EVERY_WIDTH = [0, 23, 24, 255, 256, 65535, 65536, (1 << 32) - 1]  # 1, 1, 2, 2, 3, 3, 5, 5 bytes
+
+
+@pytest.mark.parametrize("suffix", [b"", b"\xf6", cbor.encode([["salt", "x" * 2000]])])
+@pytest.mark.parametrize("values", [EVERY_WIDTH * 2, EVERY_WIDTH[::-1] * 2, EVERY_WIDTH[:6] * 4,
+                                    [24, 255] * 8, [65536] * 16, [(1 << 32) - 1] + [0] * 15])
+def test_every_encoded_width_in_one_array(values, suffix):
+    """Table path, one-word slots (all below 65536) and two-word slots, and long suffixes."""
+    _assert_arrays_match_cbor2(values, 4, suffix)
+
+
+def test_ids_of_64_bits_take_the_general_path():
+    values = EVERY_WIDTH + [1 << 32, (1 << 64) - 1] + EVERY_WIDTH[:6]
+    _assert_arrays_match_cbor2(values, 4, b"\xf6")
+
+
+@pytest.mark.parametrize("length", [1, 3, 16, 500])
+@pytest.mark.parametrize("largest", [300, 1 << 17])
+def test_long_prompts_are_encoded_in_chunks(length, largest):
+    """More values than one chunk of the table path, also in arrays that do not divide a chunk, and
+    arrays of 1,000 bytes and more (whose struct formats are not in the table)."""
+    rng = random.Random(length * largest)
+    count = (cbor._TABLED_CHUNK_VALUES * 2 // length + 3) * length
+    values = [rng.choice(EVERY_WIDTH[:4]) if rng.random() < 0.4 else rng.randrange(largest) for _ in range(count)]
+    expected = [cbor2.dumps(values[i : i + length], canonical=True) + b"\xf6" for i in range(0, count, length)]
+    assert cbor.encode_uint_arrays(values, length, b"\xf6") == expected
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(min_value=0, max_value=3), st.lists(u32_token_ids, min_size=1, max_size=128), suffixes)
+def test_chunks_of_the_table_path_match_cbor2(log_length, values, suffix):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cbor, "_TABLED_CHUNK_VALUES", 16)
+        _assert_arrays_match_cbor2(values, log_length, suffix)
+
+
+# The most ids below 256 that 64 arrays splice into fixed-width arrays; one more takes the table path.
+MOST_SPLICES = (64 + cbor._TABLE_PATH_EXTRA_ARRAYS) // cbor._ARRAYS_PER_SPLICE
+
+
+@pytest.mark.parametrize("num_small", [0, 1, MOST_SPLICES, MOST_SPLICES + 1, 64 * 8])
+def test_sparse_and_dense_ids_below_256(num_small):
+    rng = random.Random(num_small)
+    values = [rng.randrange(256, 1 << 16) for _ in range(64 * 16)]
+    for position in rng.sample(range(len(values)), num_small):
+        values[position] = rng.choice(EVERY_WIDTH[:4])
+    _assert_arrays_match_cbor2(values, 4, b"\xf6")
 
 
 def test_head_uses_the_shortest_form():

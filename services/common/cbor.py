@@ -7,16 +7,19 @@ text strings, arrays, null and booleans. There are no maps and no floats, so the
 
 The block hasher spends much of its time turning token ids into CBOR, so this module also has a
 bulk encoder, `encode_uint_arrays`, that encodes a whole prompt with a few C-level byte and numpy
-operations instead of one Python call per token.
+operations instead of one Python call per token: a fixed-width grid when nearly every id has a
+3-byte encoding (random ids), else look-ups in precomputed tables of every encoding below 65536
+(real text).
 """
 from __future__ import annotations
 
 import operator
 import re
+import struct
 import sys
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -118,10 +121,18 @@ def _fixed_width_pattern(width: int) -> re.Pattern[bytes]:
 
 _U32 = next(code for code in "IL" if array(code).itemsize == 4)
 _NATIVE_LITTLE_ENDIAN = sys.byteorder == "little"
-# Splicing values below 256 into fixed-width arrays beats the vectorized path while they number at most
-# one per this many arrays (a splice costs about two arrays' share of the vectorized path).
-_SPARSE_SMALL_IDS = 2
+_U16_LIMIT = 0x10000
+# Splicing values below 256 into fixed-width arrays beats the table path while there are at most
+# (arrays + _TABLE_PATH_EXTRA_ARRAYS) / _ARRAYS_PER_SPLICE of them: per array, the table path costs
+# about an eighth of a splice more than the fixed-width one, plus a fixed extra of about 64 arrays'
+# worth per call (measured from 1k to 32k values in arrays of 16).
+_ARRAYS_PER_SPLICE = 8
+_TABLE_PATH_EXTRA_ARRAYS = 64
 _U16_HEAD = bytes((_MAJOR_UINT << 5 | 25,))
+# The table path encodes at most this many values at a time, which keeps every numpy temporary
+# (compress's index of kept bytes above all, 8 bytes each) small enough for the allocator to
+# recycle rather than map, fault in and unmap on each call.
+_TABLED_CHUNK_VALUES = 8192
 
 
 def encode_uint_arrays(values: Sequence[int], length: int, suffix: bytes = b"") -> list[bytes]:
@@ -130,15 +141,16 @@ def encode_uint_arrays(values: Sequence[int], length: int, suffix: bytes = b"") 
     Item i of the result is `encode(values[i*length : (i+1)*length]) + suffix`; `len(values)`
     must be a multiple of `length`. (The block hasher's suffix is the encoded `extra` value, so
     each item is everything of a block's hash input after its parent.) The values are packed once
-    into 32-bit big-endian words, then one of three paths runs, by what the values are:
+    into 32-bit little-endian words, then one of three paths runs, by what the values are:
 
     - all in [256, 65536) (random ids of a vocabulary under 64k): each encodes as `0x19` plus two
       bytes, so every array has one width and is laid out at once in a numpy grid;
     - the same, but a few below 256 (shorter encodings): their 1- or 2-byte encodings are spliced
       into the fixed-width arrays afterwards;
     - anything else, such as real text, where about a third of the tokens of a byte-level BPE
-      vocabulary (punctuation, spaces, newlines) lie below 256, or ids of 64k and more: every value's
-      encoding is built at once with numpy as a head byte plus the last 0-4 of its big-endian bytes.
+      vocabulary (punctuation, spaces, newlines) lie below 256, or ids of 64k and more: every
+      value's encoding and width are looked up in tables of all encodings below 65536 (see
+      `_encode_arrays_tabled`).
 
     Values that are not integers in [0, 2**32) take the general path, which validates each one.
     """
@@ -152,20 +164,31 @@ def encode_uint_arrays(values: Sequence[int], length: int, suffix: bytes = b"") 
     except (TypeError, OverflowError):
         return [b"".join((array_head, encode_uints(values[i : i + length]), suffix))
                 for i in range(0, count, length)]
-    if _NATIVE_LITTLE_ENDIAN:
+    if not count:
+        return []
+    if not _NATIVE_LITTLE_ENDIAN:
         words.byteswap()
-    raw = words.tobytes()
     layout = _ArrayLayout(array_head, length, suffix, count // length)
-    if raw[0::4].count(0) != count or raw[1::4].count(0) != count:  # some value >= 65536
-        return _encode_arrays_vectorized(raw, layout)
-    high_bytes = raw[2::4]
-    num_small = high_bytes.count(0)  # a zero high byte marks a value below 256
-    if num_small * _SPARSE_SMALL_IDS > layout.num_arrays:
-        return _encode_arrays_vectorized(raw, layout)
+    # A value of 65536 or more has a nonzero high half (faster to count than numpy's max).
+    if np.count_nonzero(np.frombuffer(words, dtype="<u2")[1::2]):
+        return _encode_arrays_tabled(np.frombuffer(words, dtype="<u4"), layout, wide=True)
+    raw = words.tobytes()
+    high_bytes = raw[1::4]
+    num_small = high_bytes.count(0)  # a zero high byte: a value below 256
+    if num_small * _ARRAYS_PER_SPLICE > layout.num_arrays + _TABLE_PATH_EXTRA_ARRAYS:
+        return _encode_arrays_tabled(np.frombuffer(words, dtype="<u4"), layout, wide=False)
+    return _encode_arrays_fixed_width(raw, high_bytes, layout)
+
+
+def _encode_arrays_fixed_width(raw: bytes, high_bytes: bytes, layout: _ArrayLayout) -> list[bytes]:
+    """`encode_uint_arrays` for 32-bit little-endian words `raw`, all below 65536 and few of them
+    below 256 (`high_bytes`: byte 1 of every word)."""
+    count = len(high_bytes)
+    length = layout.length
     packed = bytearray(3 * count)  # byte-strided slicing is several times faster than numpy's here
     packed[0::3] = _U16_HEAD * count
     packed[1::3] = high_bytes
-    packed[2::3] = raw[3::4]
+    packed[2::3] = raw[0::4]
     grid = layout.grid(3)
     layout.items(grid, 3)[:] = np.frombuffer(packed, dtype=np.uint8).reshape(layout.num_arrays, length, 3)
     # Every array is now exactly one row of the grid; a regex splits them in one C loop (about a
@@ -184,15 +207,16 @@ def encode_uint_arrays(values: Sequence[int], length: int, suffix: bytes = b"") 
             position = high_bytes.find(0, position + 1)
         encoded = arrays[index]
         for small in reversed(positions):
-            offset = len(array_head) + 3 * (small - first)
-            encoded = encoded[:offset] + _UINT_ENCODINGS[raw[4 * small + 3]] + encoded[offset + 3 :]
+            offset = len(layout.head) + 3 * (small - first)
+            encoded = encoded[:offset] + _UINT_ENCODINGS[raw[4 * small]] + encoded[offset + 3 :]
         arrays[index] = encoded
     return arrays
 
 
 @dataclass(frozen=True)
 class _ArrayLayout:
-    """One row per array: `head`, then `length` items of a fixed width, then `suffix`."""
+    """One row per array: `head`, then `length` items of a fixed width, then `suffix` (in `grid`),
+    or the same padded to whole 32-bit words (in `masked_grid`)."""
 
     head: bytes
     length: int
@@ -213,30 +237,120 @@ class _ArrayLayout:
         start = len(self.head)
         return grid[:, start : start + item_width * self.length].reshape(self.num_arrays, self.length, item_width)
 
+    def masked_grid(self, slot_words: int) -> np.ndarray:
+        """Two grids of 32-bit words, [0] the bytes and [1] a mask of the bytes to keep (1 or 0).
 
-def _encode_arrays_vectorized(big_endian_words: bytes, layout: _ArrayLayout) -> list[bytes]:
-    """`encode_uint_arrays` for 32-bit big-endian words, any mix of encoded widths.
+        A row is the head zero-padded to whole words, a slot of `slot_words` words per item, then
+        the suffix zero-padded to whole words. Head and suffix are filled in, with their masks; the
+        item slots are left to the caller.
+        """
+        head_words = _masked_words(self.head)
+        suffix_words = _masked_words(self.suffix)
+        width = head_words.shape[1] + slot_words * self.length + suffix_words.shape[1]
+        grid = np.empty((2, self.num_arrays, width), dtype=np.uint32)
+        grid[:, :, : head_words.shape[1]] = head_words[:, None]
+        if self.suffix:
+            grid[:, :, width - suffix_words.shape[1] :] = suffix_words[:, None]
+        return grid
 
-    A value's shortest encoding is a head byte followed by the last 0, 1, 2 or 4 of its four
-    big-endian bytes: lay out the head and the last two bytes of every value (all four when some
-    value is 65536 or more), then keep the bytes each one needs.
+    def item_slots(self, masked_grid: np.ndarray, slot_words: int) -> np.ndarray:
+        """The item slots of a `masked_grid` seen as [bytes or mask, array, item, word]."""
+        start = _masked_words(self.head).shape[1]
+        slots = masked_grid[:, :, start : start + slot_words * self.length]
+        return slots.reshape(2, self.num_arrays, self.length, slot_words)
+
+
+@lru_cache(maxsize=64)
+def _masked_words(data: bytes) -> np.ndarray:
+    """`data` zero-padded to whole 32-bit words, and below it the mask of those words (1 per byte of `data`)."""
+    padding = bytes(-len(data) % 4)
+    return np.frombuffer(data + padding + b"\x01" * len(data) + padding, dtype=np.uint32).reshape(2, -1)
+
+
+@dataclass(frozen=True)
+class _UintTables:
+    """Look-up tables indexed by a value below 65536, or by 65536 for every larger 32-bit value."""
+
+    encodings: np.ndarray  # uint32: the value's encoding from the word's first byte on (at 65536: its head)
+    widths: np.ndarray  # uint8: the encoding's length in bytes: 1, 2, 3, or 5 at 65536
+    one_word_masks: np.ndarray  # uint32 by width: the first `width` bytes of a word
+    two_word_masks: np.ndarray  # uint64 by width: the same, but a 5-byte encoding keeps bytes 0 and 4-7
+
+
+@lru_cache(maxsize=1)
+def _uint_tables() -> _UintTables:
+    """Built on first use (a few ms); 320 KB."""
+    values = np.arange(_U16_LIMIT + 1)
+    one_byte, two_bytes = values < 24, (values >= 24) & (values < 0x100)
+    three_bytes = (values >= 0x100) & (values < _U16_LIMIT)  # 65536 stands for 5-byte encodings
+    encodings = np.zeros((len(values), 4), dtype=np.uint8)
+    encodings[:, 0] = np.where(one_byte, values, 0x18 + (values >= 0x100) + (values >= _U16_LIMIT))
+    encodings[two_bytes, 1] = values[two_bytes]
+    encodings[three_bytes, 1] = values[three_bytes] >> 8
+    encodings[three_bytes, 2] = values[three_bytes] & 0xFF
+    widths = (1 + (values >= 24) + (values >= 0x100) + 2 * (values >= _U16_LIMIT)).astype(np.uint8)
+    one_word_masks = np.arange(4) < np.arange(6)[:, None]
+    two_word_masks = np.arange(8) < np.arange(6)[:, None]
+    two_word_masks[5] = [True, False, False, False, True, True, True, True]
+    return _UintTables(encodings.view(np.uint32).ravel(), widths,
+                       one_word_masks.view(np.uint32).ravel(), two_word_masks.view(np.uint64).ravel())
+
+
+def _encode_arrays_tabled(values: np.ndarray, layout: _ArrayLayout, wide: bool) -> list[bytes]:
+    """`_encode_rows_tabled`, at most `_TABLED_CHUNK_VALUES` values (but one array or more) at a time."""
+    rows = max(1, _TABLED_CHUNK_VALUES // layout.length)
+    if layout.num_arrays <= rows:
+        return _encode_rows_tabled(values, layout, wide)
+    arrays: list[bytes] = []
+    for first in range(0, layout.num_arrays, rows):
+        part = replace(layout, num_arrays=min(rows, layout.num_arrays - first))
+        arrays += _encode_rows_tabled(values[first * layout.length : (first + rows) * layout.length], part, wide)
+    return arrays
+
+
+def _encode_rows_tabled(values: np.ndarray, layout: _ArrayLayout, wide: bool) -> list[bytes]:
+    """`encode_uint_arrays` for 32-bit values, any mix of encoded widths, by table look-ups.
+
+    Every item gets a slot of one 32-bit word that holds its 1- to 3-byte encoding from the table,
+    or, when some value is 65536 or more (`wide`), of two words: the table's encoding (for such a
+    value, its head alone), then the value's four big-endian bytes. A mask grid of the same shape,
+    also from a table (by encoded width), marks the bytes to keep; one numpy `compress` joins them,
+    and one `struct.unpack` cuts the result into arrays. (The values stay native-endian: numpy
+    byte-swaps big-endian ones on every operation.)
     """
+    tables = _uint_tables()
+    index = np.minimum(values, _U16_LIMIT) if wide else values
+    widths = tables.widths.take(index)
+    slot_words = 2 if wide else 1
     shape = (layout.num_arrays, layout.length)
-    values = np.frombuffer(big_endian_words, dtype=">u4").reshape(shape)
-    tiny = values < 24
-    wide = values >= 256
-    widest = values >= 65536
-    byte_columns = 4 if widest.any() else 2
-    grid = layout.grid(1 + byte_columns)
-    items = layout.items(grid, 1 + byte_columns)
-    items[:, :, 0] = np.where(tiny, values, 0x18 + wide + widest)  # the value itself, or 0x18/0x19/0x1a
-    items[:, :, 1:] = np.frombuffer(big_endian_words, dtype=np.uint8).reshape(*shape, 4)[:, :, 4 - byte_columns :]
-    keep = np.ones(grid.shape, dtype=bool)
-    kept_items = layout.items(keep, 1 + byte_columns)
-    if byte_columns == 4:
-        kept_items[:, :, 1] = kept_items[:, :, 2] = widest
-    kept_items[:, :, -2] = wide
-    np.logical_not(tiny, out=kept_items[:, :, -1])
-    flat = grid[keep].tobytes()
-    ends = keep.sum(axis=1).cumsum().tolist()
-    return [flat[start:end] for start, end in zip([0, *ends], ends)]
+    grid = layout.masked_grid(slot_words)
+    slots = layout.item_slots(grid, slot_words)
+    slots[0, :, :, 0] = tables.encodings.take(index).reshape(shape)
+    if wide:
+        slots[0, :, :, 1] = values.astype(">u4").view(np.uint32).reshape(shape)
+    masks = (tables.two_word_masks if wide else tables.one_word_masks).take(widths)
+    slots[1] = masks.view(np.uint32).reshape(*shape, slot_words)
+    flat = grid[0].view(np.uint8).ravel().compress(grid[1].view(bool).ravel())
+    lengths = widths.reshape(shape).sum(axis=1) + (len(layout.head) + len(layout.suffix))
+    longest = len(layout.head) + (5 if wide else 3) * layout.length + len(layout.suffix)
+    return _split(flat, lengths, longest)
+
+
+@lru_cache(maxsize=1)
+def _three_digit_formats() -> np.ndarray:
+    """The struct format items b"000s" to b"999s", one 32-bit word each."""
+    return np.frombuffer(b"".join(b"%03ds" % n for n in range(1000)), dtype=np.uint32)
+
+
+def _split(flat: np.ndarray, lengths: np.ndarray, longest: int) -> list[bytes]:
+    """`flat` cut into consecutive pieces of `lengths` bytes (none longer than `longest`).
+
+    One `struct.unpack` of "<n>s<n>s…" cuts them in a C loop, several times faster than slicing in
+    Python; its format is looked up for pieces under 1,000 bytes. (A `Struct` of its own, as
+    `struct.unpack` would keep these one-off formats in its cache.)
+    """
+    if longest < 1000:
+        format_ = _three_digit_formats().take(lengths).tobytes()
+    else:
+        format_ = "".join(map("{}s".format, lengths.tolist()))
+    return list(struct.Struct(format_).unpack(flat))
