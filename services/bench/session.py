@@ -193,7 +193,8 @@ def plan_workloads(config: BenchConfig, facts: EngineFacts, outcome: BenchOutcom
         note(
             f"thrash sends {options.num_thrash_requests} requests over {options.thrash_prefixes} prefixes, so "
             "first (cold) visits are at least half of its misses and `evicted` cannot dominate; raise "
-            f"--num-requests above {2 * options.thrash_prefixes} or lower the KV pool (--kv-cache-memory)"
+            f"--num-requests above {2 * options.thrash_prefixes} or "
+            + ("serve with a smaller KV cache" if config.target else "lower the KV pool (--kv-cache-memory)")
         )
     outcome.options = options
     outcome.description = _describe(config, options, facts)

@@ -101,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
     given_local = [f"--{name.replace('_', '-')}" for name in LOCAL_PLATFORM_OPTIONS if getattr(args, name) is not None]
     if args.target and given_local:
-        print(f"prefixcache bench: {', '.join(given_local)} configure the local platform, which --target replaces",
+        verb = "configures" if len(given_local) == 1 else "configure"
+        print(f"prefixcache bench: {', '.join(given_local)} {verb} the local platform, which --target replaces",
               file=sys.stderr)
         return 2
     # Imported here so `prefixcache bench --help` stays instant.

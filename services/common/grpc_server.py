@@ -73,7 +73,11 @@ async def run_server(
     `ready(port)` is called once the port is bound (port 0 picks a free one). Pass `health` to set
     a service's status yourself while serving; this sets every service's on start and stop.
     """
-    configure_tracing(service_name)
+    try:
+        configure_tracing(service_name)
+    except ValueError as error:  # an OTEL_* variable we cannot honour; the message names it
+        log.error("%s cannot start: %s", service_name, error)
+        return 1
     try:
         return await _serve(service_name, address, servicers, grace_s, drain_idle_s, startup, shutdown, ready, health)
     finally:

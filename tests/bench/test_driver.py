@@ -177,6 +177,7 @@ def test_cli_against_a_target_writes_table_json_and_plot(engine_server, tmp_path
     captured = capsys.readouterr()
     table = captured.out
     assert "thrash sends 12 requests over 12 prefixes" in captured.err  # --num-requests applies to thrash too
+    assert "serve with a smaller KV cache" in captured.err and "--kv-cache-memory" not in captured.err
     assert "shared-system-prompt" in table and "TTFT p50 (ms)" in table and "hit rate" in table
     report = json.loads(out.read_text())
     assert report["config"]["engine"]["model_id"] == "recording"
@@ -251,6 +252,8 @@ def test_local_platform_options_are_refused_with_a_target(engine_server, capsys)
     assert "--kv-cache-memory, --startup-timeout configure the local platform, which --target replaces" \
         in capsys.readouterr().err
     assert servicer.started == []
+    assert cli.main(["bench", "--target", target, "--dtype", "bfloat16"]) == 2
+    assert "--dtype configures the local platform, which --target replaces" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("ignored", [False, True], ids=["sigint", "sigint-ignored"])

@@ -96,3 +96,19 @@ def test_stopping_with_an_unreachable_collector_is_bounded() -> None:
     assert result.returncode == 0, result.stderr
     assert float(result.stdout) < 2.0
     assert "dropped" in result.stderr or float(result.stdout) < 1.0
+
+
+@pytest.mark.parametrize(("variable", "value"), [("OTEL_TRACES_EXPORTER", "bogus"),
+                                                 ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")])
+def test_a_service_refuses_an_otel_setting_in_one_line_naming_it(variable: str, value: str) -> None:
+    environment = {key: v for key, v in os.environ.items() if not key.startswith("OTEL_")}
+    environment[variable] = value
+    if variable != "OTEL_TRACES_EXPORTER":
+        environment["OTEL_TRACES_EXPORTER"] = "otlp"
+    # The scheduler needs neither a model nor its peers to get as far as tracing.
+    command = [sys.executable, "-m", "prefixcache.services.cli.main", "scheduler", "--host", "127.0.0.1",
+               "--port", "0", "--tokenizer", "127.0.0.1:1", "--worker", "127.0.0.1:1"]
+    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr, result.stderr
+    assert f"{variable}: {value!r}" in result.stderr or f"{variable}: unsupported exporter {value!r}" in result.stderr
