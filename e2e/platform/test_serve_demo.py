@@ -11,8 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
+from prefixcache.protos.engine.v1 import engine_pb2, engine_pb2_grpc
 from prefixcache.services.cli.launcher import free_port
 
 pytestmark = pytest.mark.slow
@@ -42,7 +44,8 @@ def test_sigterm_to_serve_past_the_grace_aborts_cleanly_and_exits_0(tmp_path: Pa
     try:
         assert "Engine API serving" in _line_containing(serve.stdout, "Engine API serving", timeout_s=300)
         generate = _generate_in_background(port, max_tokens=3000)
-        time.sleep(8)  # well into the stream (the model writes ~20 tokens a second here)
+        _wait_until_running(port)
+        time.sleep(4)  # well into the stream (the model writes ~20 tokens a second here)
         serve.send_signal(signal.SIGTERM)
         out, err = generate.communicate(timeout=120)
         assert serve.wait(timeout=60) == 0, serve.stderr.read()
@@ -64,7 +67,7 @@ def test_stopping_the_whole_process_group_still_lets_in_flight_requests_finish(t
     try:
         assert "Engine API serving" in _line_containing(serve.stdout, "Engine API serving", timeout_s=300)
         generate = _generate_in_background(port, max_tokens=40)
-        time.sleep(2)  # admitted and streaming, far from done
+        _wait_until_running(port)  # admitted and streaming, far from done
         for signum in signals:
             os.killpg(serve.pid, signum)
             time.sleep(1)
@@ -112,6 +115,17 @@ def _generate_in_background(port: int, max_tokens: int) -> subprocess.Popen:
          "--json", "--max-tokens", str(max_tokens), "--ignore-eos", "--temperature", "0", "Count to a million."],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+
+
+def _wait_until_running(port: int, timeout_s: float = 120) -> None:
+    """Until the engine runs a request. (A fixed sleep could end, on a loaded machine, before the
+    client process has even sent it; a stop signal then refuses it instead of letting it finish.)"""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        get_stats = engine_pb2_grpc.EngineStub(channel).GetCacheStats
+        while get_stats(engine_pb2.GetCacheStatsRequest(), timeout=30).running_requests == 0:
+            assert time.monotonic() < deadline, "the request never started running"
+            time.sleep(0.05)
 
 
 def _session_processes(session_id: int) -> list[str]:
