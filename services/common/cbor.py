@@ -14,7 +14,6 @@ operations instead of one Python call per token: a fixed-width grid when nearly 
 from __future__ import annotations
 
 import operator
-import re
 import struct
 import sys
 from array import array
@@ -114,11 +113,6 @@ def encode_uints(values: Sequence[int]) -> bytes:
     return b"".join([table[_checked_uint(v)] for v in values])
 
 
-@lru_cache(maxsize=8)
-def _fixed_width_pattern(width: int) -> re.Pattern[bytes]:
-    return re.compile(b".{%d}" % width, re.DOTALL)
-
-
 _U32 = next(code for code in "IL" if array(code).itemsize == 4)
 _NATIVE_LITTLE_ENDIAN = sys.byteorder == "little"
 _U16_LIMIT = 0x10000
@@ -191,9 +185,8 @@ def _encode_arrays_fixed_width(raw: bytes, high_bytes: bytes, layout: _ArrayLayo
     packed[2::3] = raw[0::4]
     grid = layout.grid(3)
     layout.items(grid, 3)[:] = np.frombuffer(packed, dtype=np.uint8).reshape(layout.num_arrays, length, 3)
-    # Every array is now exactly one row of the grid; a regex splits them in one C loop (about a
-    # third faster than a comprehension of slices).
-    arrays = _fixed_width_pattern(grid.shape[1]).findall(grid.tobytes())
+    # Every array is now exactly one row of the grid; one struct.unpack splits them in a C loop.
+    arrays = list(struct.Struct(b"%ds" % grid.shape[1] * layout.num_arrays).unpack(grid.tobytes()))
     # Splice the shorter encodings of values below 256 into their arrays, right to left within an
     # array so the offsets still to visit do not move.
     position = high_bytes.find(0)
