@@ -133,3 +133,26 @@ def test_chat_goes_on_after_an_empty_reply_and_a_refused_turn(target: str) -> No
     assert session.stderr.count("error: INVALID_ARGUMENT") == 1, session.stderr
     assert session.stderr.count("[stop] prompt") == 2
     assert session.returncode == 1
+
+
+@pytest.mark.parametrize("option", ["prompt", "--stop", "--cache-salt", "--tenant", "--lora-adapter", "--request-id"])
+def test_text_that_is_not_utf8_is_a_usage_error_naming_the_argument(option: str) -> None:
+    """Bytes that are not UTF-8 reach Python as lone surrogates, which no message can carry."""
+    text = [b"x\xff"] if option == "prompt" else [b"Hello", option.encode(), b"x\xff"]
+    result = subprocess.run([sys.executable, "-m", "prefixcache.services.cli.main", "generate", "--target",
+                             "127.0.0.1:1", *text], capture_output=True, timeout=120)  # fmt: skip
+    stderr = result.stderr.decode()
+    assert result.returncode == 2 and "Traceback" not in stderr, stderr
+    assert f"argument {option}: not valid UTF-8 text" in stderr
+
+
+def test_a_salt_variable_or_chat_line_that_is_not_utf8_is_refused_without_a_traceback() -> None:
+    environment = {**os.environb, b"PREFIXCACHE_CACHE_SALT": b"salt\xff"}
+    command = [sys.executable, "-m", "prefixcache.services.cli.main", "generate", "--target", "127.0.0.1:1", "Hello"]
+    result = subprocess.run(command, env=environment, capture_output=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.decode().strip() == "prefixcache generate: $PREFIXCACHE_CACHE_SALT is not valid UTF-8 text"
+    chat = subprocess.run([sys.executable, "-m", "prefixcache.services.cli.main", "chat", "--target", "127.0.0.1:1"],
+                          input=b"hello \xff\n", capture_output=True, timeout=120)  # fmt: skip
+    assert chat.returncode == 1 and "Traceback" not in chat.stderr.decode()
+    assert "(not valid UTF-8 text: turn not sent)" in chat.stderr.decode()

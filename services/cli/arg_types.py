@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 from collections.abc import Callable
 
@@ -53,8 +54,30 @@ def decimal_uint(text: str) -> int:
     return int(text)
 
 
+def decoded_utf8(text: str) -> str:
+    """The text whose bytes a command line, environment variable or terminal carried, read as UTF-8
+    whatever the locale decoded them as (a Latin-1 locale turns the two bytes of `é` into `Ã©`, and
+    bytes that are not UTF-8 arrive as lone surrogates, which no message can carry).
+
+    Raises ValueError if the bytes are not UTF-8."""
+    try:
+        return os.fsencode(text).decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("not valid UTF-8 text") from None
+
+
+def utf8_text(text: str) -> str:
+    """An argparse type: text sent to the server (see `decoded_utf8`)."""
+    try:
+        return decoded_utf8(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def non_empty(text: str) -> str:
-    """An argparse type: any text but the empty string (which the server refuses for these fields)."""
+    """An argparse type: text sent to the server, but not the empty string (which the server
+    refuses for these fields)."""
+    text = utf8_text(text)
     if not text:
         raise argparse.ArgumentTypeError("must not be empty")
     return text

@@ -11,7 +11,7 @@ import os
 import re
 import sys
 
-from prefixcache.services.cli.arg_types import decimal_uint
+from prefixcache.services.cli.arg_types import decimal_uint, decoded_utf8
 from prefixcache.services.cli.salt_env import CACHE_SALT_ENV, cache_salt
 from prefixcache.services.common.block_identity import (
     HASH_ALGOS,
@@ -37,9 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        args.cache_salt = cache_salt(args.cache_salt)
         for option in ("model_id", "cache_salt", "lora", "mm"):
             setattr(args, option, _as_utf8(option, getattr(args, option)))
+        args.cache_salt = cache_salt(args.cache_salt)  # else $PREFIXCACHE_CACHE_SALT, read as UTF-8 too
         token_ids = _read_token_ids(sys.stdin.read())
         hasher = BlockHasher(args.block_size, args.hash_algo, args.model_id)
         extras = BlockExtras(*_parse_lora(args.lora), mm_items=tuple(map(_parse_mm, args.mm)),
@@ -70,13 +70,12 @@ def _read_token_ids(text: str) -> list[int]:
 
 
 def _as_utf8(option: str, value: str | list[str] | None) -> str | list[str] | None:
-    """The argument's bytes read as UTF-8, whatever the locale decoded them as (a Latin-1 locale
-    turns the two bytes of `é` into `Ã©`); not valid UTF-8 is refused, naming the option."""
+    """The argument read as UTF-8 (`decoded_utf8`); not valid UTF-8 is refused, naming the option."""
     if value is None:
         return None
     try:
-        texts = [os.fsencode(text).decode("utf-8") for text in ([value] if isinstance(value, str) else value)]
-    except UnicodeDecodeError:
+        texts = [decoded_utf8(text) for text in ([value] if isinstance(value, str) else value)]
+    except ValueError:
         raise ValueError(f"--{option.replace('_', '-')} is not valid UTF-8 text") from None
     return texts[0] if isinstance(value, str) else texts
 

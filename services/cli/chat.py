@@ -11,7 +11,7 @@ import sys
 
 import grpc
 
-from prefixcache.services.cli.arg_types import text_file
+from prefixcache.services.cli.arg_types import decoded_utf8, text_file
 from prefixcache.services.cli.client_args import add_sampling, add_target, report_rpc_errors, sampling_kwargs
 from prefixcache.services.cli.generate import print_usage
 from prefixcache.services.common.engine_client import Completion, EngineClient, build_request
@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         sampling = sampling_kwargs(args)
-    except ValueError as error:  # an empty $PREFIXCACHE_CACHE_SALT
+    except ValueError as error:  # an empty (or not UTF-8) $PREFIXCACHE_CACHE_SALT
         print(f"prefixcache chat: {error}", file=sys.stderr)
         return 2
     history: list[tuple[str, str]] = []
@@ -43,6 +43,12 @@ def run(args: argparse.Namespace) -> int:
                     print()
                     return 1 if failed else 0
                 if not line.strip():
+                    continue
+                try:
+                    line = decoded_utf8(line)
+                except ValueError:
+                    print("(not valid UTF-8 text: turn not sent)", file=sys.stderr)
+                    failed = True
                     continue
                 completion = Completion()
                 print("assistant> ", end="", flush=True)

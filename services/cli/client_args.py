@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from prefixcache.services.cli.arg_types import bounded_float, bounded_int, engine_target, non_empty
+from prefixcache.services.cli.arg_types import bounded_float, bounded_int, engine_target, non_empty, utf8_text
 from prefixcache.services.cli.salt_env import CACHE_SALT_ENV, cache_salt
 from prefixcache.services.common.engine_client import DEFAULT_TARGET
 
@@ -37,7 +37,7 @@ def add_sampling(parser: argparse.ArgumentParser) -> None:
     isolation.add_argument("--cache-salt", type=non_empty, help="share cached prefixes only with requests using this salt "
                            f"(default: ${CACHE_SALT_ENV}, which other users' `ps` cannot see)")
     isolation.add_argument("--tenant", type=non_empty, help="share cached prefixes only within this tenant (salt derived server-side)")
-    parser.add_argument("--lora-adapter", default="", help="LoRA adapter name (default: the base model)")
+    parser.add_argument("--lora-adapter", type=utf8_text, default="", help="LoRA adapter name (default: the base model)")
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:

@@ -11,18 +11,18 @@ import argparse
 import json
 import sys
 
-from prefixcache.services.cli.arg_types import bounded_int, text_file
+from prefixcache.services.cli.arg_types import bounded_int, text_file, utf8_text
 from prefixcache.services.cli.client_args import add_sampling, add_target, report_rpc_errors, sampling_kwargs
 from prefixcache.services.common.engine_client import Completion, EngineClient, build_request
 from prefixcache.services.common.step import MAX_LOGPROBS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompt", help="the prompt text")
+    parser.add_argument("prompt", type=utf8_text, help="the prompt text")
     add_target(parser)
     parser.add_argument("--system", type=text_file, metavar="FILE", help="system prompt file (makes the request a chat)")
     parser.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
-    parser.add_argument("--request-id", default="", help="client request id (default: server-assigned)")
+    parser.add_argument("--request-id", type=utf8_text, default="", help="client request id (default: server-assigned)")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     parser.add_argument("--logprobs", type=bounded_int(1, MAX_LOGPROBS), default=0, metavar="N",
                         help=f"with --json: each token's log-probability and the N most likely tokens (1-{MAX_LOGPROBS})")
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         options = {"request_id": args.request_id, "logprobs": args.logprobs, **sampling_kwargs(args)}
-    except ValueError as error:  # an empty $PREFIXCACHE_CACHE_SALT
+    except ValueError as error:  # an empty (or not UTF-8) $PREFIXCACHE_CACHE_SALT
         print(f"prefixcache generate: {error}", file=sys.stderr)
         return 2
     if args.system is not None:
