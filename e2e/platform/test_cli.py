@@ -146,13 +146,24 @@ def test_text_that_is_not_utf8_is_a_usage_error_naming_the_argument(option: str)
     assert f"argument {option}: not valid UTF-8 text" in stderr
 
 
-def test_a_salt_variable_or_chat_line_that_is_not_utf8_is_refused_without_a_traceback() -> None:
+def test_a_salt_variable_that_is_not_utf8_is_refused_without_a_traceback() -> None:
     environment = {**os.environb, b"PREFIXCACHE_CACHE_SALT": b"salt\xff"}
     command = [sys.executable, "-m", "prefixcache.services.cli.main", "generate", "--target", "127.0.0.1:1", "Hello"]
     result = subprocess.run(command, env=environment, capture_output=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.decode().strip() == "prefixcache generate: $PREFIXCACHE_CACHE_SALT is not valid UTF-8 text"
+
+
+@pytest.mark.parametrize("stdin_encoding", [None, "utf-8:strict", "latin-1"])
+def test_chat_sends_utf8_lines_and_refuses_others_whatever_stdin_decodes_with(stdin_encoding: str | None) -> None:
+    """Read as UTF-8 bytes, as the arguments are (a strict UTF-8 stdin would raise on the second line)."""
+    environment = {key: value for key, value in os.environ.items() if key != "PYTHONIOENCODING"}
+    if stdin_encoding:
+        environment["PYTHONIOENCODING"] = stdin_encoding
     chat = subprocess.run([sys.executable, "-m", "prefixcache.services.cli.main", "chat", "--target", "127.0.0.1:1"],
-                          input=b"hello \xff\n", capture_output=True, timeout=120)  # fmt: skip
-    assert chat.returncode == 1 and "Traceback" not in chat.stderr.decode()
-    assert "(not valid UTF-8 text: turn not sent)" in chat.stderr.decode()
+                          input="héllo\n".encode() + b"hello \xff\n", env=environment, capture_output=True,
+                          timeout=120)  # fmt: skip
+    stderr = chat.stderr.decode(errors="replace")
+    assert chat.returncode == 1 and "Traceback" not in stderr, stderr
+    assert stderr.count("(not valid UTF-8 text: turn not sent)") == 1  # the second line
+    assert stderr.count("error: UNAVAILABLE") == 1  # the first was sent (nobody listens there)

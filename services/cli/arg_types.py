@@ -97,6 +97,7 @@ def text_file(path: str) -> str:
 
 def engine_target(text: str) -> str:
     """An argparse type: HOST:PORT with a port in [1, 65535] ([IPv6]:PORT too), or a gRPC URI target."""
+    text = utf8_text(text)
     if _URI_TARGET.match(text):
         return text
     match = _HOST_PORT.match(text)

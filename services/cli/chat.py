@@ -7,11 +7,12 @@ history, and the conversation goes on; the exit status is 1 if any turn failed.
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 
 import grpc
 
-from prefixcache.services.cli.arg_types import decoded_utf8, text_file
+from prefixcache.services.cli.arg_types import text_file
 from prefixcache.services.cli.client_args import add_sampling, add_target, report_rpc_errors, sampling_kwargs
 from prefixcache.services.cli.generate import print_usage
 from prefixcache.services.common.engine_client import Completion, EngineClient, build_request
@@ -29,6 +30,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:  # an empty (or not UTF-8) $PREFIXCACHE_CACHE_SALT
         print(f"prefixcache chat: {error}", file=sys.stderr)
         return 2
+    if isinstance(sys.stdin, io.TextIOWrapper):  # undecodable input is refused per line, not raised
+        sys.stdin.reconfigure(errors="surrogateescape")
     history: list[tuple[str, str]] = []
     if args.system is not None:
         history.append(("system", args.system))
@@ -44,9 +47,8 @@ def run(args: argparse.Namespace) -> int:
                     return 1 if failed else 0
                 if not line.strip():
                     continue
-                try:
-                    line = decoded_utf8(line)
-                except ValueError:
+                line = _as_utf8(line)
+                if line is None:
                     print("(not valid UTF-8 text: turn not sent)", file=sys.stderr)
                     failed = True
                     continue
@@ -69,3 +71,12 @@ def run(args: argparse.Namespace) -> int:
                     print("(empty reply: turn not kept)", file=sys.stderr)
 
     return report_rpc_errors(main)
+
+
+def _as_utf8(line: str) -> str | None:
+    """The bytes of a line read from stdin, as UTF-8 text (None if they are not UTF-8), whatever
+    encoding stdin decoded them with: the same reading as the command's arguments get."""
+    try:
+        return line.encode(sys.stdin.encoding or "utf-8", "surrogateescape").decode("utf-8")
+    except (UnicodeEncodeError, UnicodeDecodeError):
+        return None

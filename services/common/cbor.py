@@ -324,7 +324,8 @@ def _encode_rows_tabled(values: np.ndarray, layout: _ArrayLayout, wide: bool) ->
     masks = (tables.two_word_masks if wide else tables.one_word_masks).take(widths)
     slots[1] = masks.view(np.uint32).reshape(*shape, slot_words)
     flat = grid[0].view(np.uint8).ravel().compress(grid[1].view(bool).ravel())
-    lengths = widths.reshape(shape).sum(axis=1) + (len(layout.head) + len(layout.suffix))
+    # intp: numpy before 2.1 takes no uint64 indices (the sum of uint8 widths would be uint64).
+    lengths = widths.reshape(shape).sum(axis=1, dtype=np.intp) + (len(layout.head) + len(layout.suffix))
     longest = len(layout.head) + (5 if wide else 3) * layout.length + len(layout.suffix)
     return _split(flat, lengths, longest)
 

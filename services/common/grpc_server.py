@@ -75,8 +75,8 @@ async def run_server(
     """
     try:
         configure_tracing(service_name)
-    except ValueError as error:  # an OTEL_* variable we cannot honour; the message names it
-        log.error("%s cannot start: %s", service_name, error)
+    except Exception as error:  # an OTEL_* value we or the SDK cannot honour (ours name the variable)
+        log.error("%s cannot start: OpenTelemetry settings (OTEL_*): %s", service_name, error)
         return 1
     try:
         return await _serve(service_name, address, servicers, grace_s, drain_idle_s, startup, shutdown, ready, health)
