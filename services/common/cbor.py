@@ -308,8 +308,8 @@ def _encode_rows_tabled(values: np.ndarray, layout: _ArrayLayout, wide: bool) ->
     or, when some value is 65536 or more (`wide`), of two words: the table's encoding (for such a
     value, its head alone), then the value's four big-endian bytes. A mask grid of the same shape,
     also from a table (by encoded width), marks the bytes to keep; one numpy `compress` joins them,
-    and one `struct.unpack` cuts the result into arrays. (The values stay native-endian: numpy
-    byte-swaps big-endian ones on every operation.)
+    and one `struct.unpack` cuts the result into arrays. (The values stay little-endian, the
+    common hosts' own order: numpy byte-swaps values of the other order on every operation.)
     """
     tables = _uint_tables()
     index = np.minimum(values, _U16_LIMIT) if wide else values
