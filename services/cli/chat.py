@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
                     return 1 if failed else 0
                 if not line.strip():
                     continue
-                line = _as_utf8(line)
+                line = _line_as_utf8(line)
                 if line is None:
                     print("(not valid UTF-8 text: turn not sent)", file=sys.stderr)
                     failed = True
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     return report_rpc_errors(main)
 
 
-def _as_utf8(line: str) -> str | None:
+def _line_as_utf8(line: str) -> str | None:
     """The bytes of a line read from stdin, as UTF-8 text (None if they are not UTF-8), whatever
     encoding stdin decoded them with: the same reading as the command's arguments get."""
     try:

@@ -113,7 +113,7 @@ def encode_uints(values: Sequence[int]) -> bytes:
     return b"".join([table[_checked_uint(v)] for v in values])
 
 
-_U32 = next(code for code in "IL" if array(code).itemsize == 4)
+UINT32_TYPECODE = next(code for code in "IL" if array(code).itemsize == 4)  # array's 32-bit unsigned
 _NATIVE_LITTLE_ENDIAN = sys.byteorder == "little"
 _U16_LIMIT = 0x10000
 # Splicing values below 256 into fixed-width arrays beats the table path while there are at most
@@ -153,7 +153,7 @@ def encode_uint_arrays(values: Sequence[int], length: int, suffix: bytes = b"") 
         raise ValueError(f"{count} values do not split into arrays of {length}")
     array_head = head(_MAJOR_ARRAY, length)
     try:
-        words = array(_U32)
+        words = array(UINT32_TYPECODE)
         words.fromlist(values if isinstance(values, list) else list(values))
     except (TypeError, OverflowError):
         return [b"".join((array_head, encode_uints(values[i : i + length]), suffix))

@@ -29,7 +29,6 @@ from collections.abc import Sequence
 from prefixcache.services.common import cbor
 from prefixcache.services.common.block_identity import NO_EXTRAS, BlockExtras, BlockHash
 
-_U32 = next(code for code in "IL" if array(code).itemsize == 4)
 _NO_EXTRA_DIGEST = hashlib.sha256(cbor.encode(None)).digest()
 
 # Block 0's key is (None, tokens, digest of its extra) and a later block's (parent, tokens): a
@@ -127,7 +126,7 @@ def _first_extra_digest(extras: BlockExtras, block_size: int) -> bytes:
 
 def _words(token_ids: Sequence[int]) -> bytes | None:
     """The token ids as native 32-bit words, or None if one is not an unsigned 32-bit integer."""
-    words = array(_U32)
+    words = array(cbor.UINT32_TYPECODE)
     try:
         words.fromlist(token_ids if isinstance(token_ids, list) else list(token_ids))
     except (TypeError, OverflowError):
