@@ -55,7 +55,7 @@ def decimal_uint(text: str) -> int:
 
 
 def decoded_utf8(text: str) -> str:
-    """The text whose bytes a command line, environment variable or terminal carried, read as UTF-8
+    """The text whose bytes a command line or an environment variable carried, read as UTF-8
     whatever the locale decoded them as (a Latin-1 locale turns the two bytes of `é` into `Ã©`, and
     bytes that are not UTF-8 arrive as lone surrogates, which no message can carry).
 
