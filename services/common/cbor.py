@@ -129,6 +129,16 @@ _U16_HEAD = bytes((_MAJOR_UINT << 5 | 25,))
 _TABLED_CHUNK_VALUES = 8192
 
 
+def uint32_words(values: Sequence[int]) -> array | None:
+    """`values` packed as native 32-bit unsigned words, or None if one is not an integer in [0, 2**32)."""
+    words = array(UINT32_TYPECODE)
+    try:
+        words.fromlist(values if isinstance(values, list) else list(values))
+    except (TypeError, OverflowError):
+        return None
+    return words
+
+
 def encode_uint_arrays(values: Sequence[int], length: int, suffix: bytes = b"") -> list[bytes]:
     """Encode `values` as consecutive arrays of `length` items, each followed by `suffix`.
 
@@ -152,10 +162,8 @@ def encode_uint_arrays(values: Sequence[int], length: int, suffix: bytes = b"") 
     if count % length:
         raise ValueError(f"{count} values do not split into arrays of {length}")
     array_head = head(_MAJOR_ARRAY, length)
-    try:
-        words = array(UINT32_TYPECODE)
-        words.fromlist(values if isinstance(values, list) else list(values))
-    except (TypeError, OverflowError):
+    words = uint32_words(values)
+    if words is None:
         return [b"".join((array_head, encode_uints(values[i : i + length]), suffix))
                 for i in range(0, count, length)]
     if not count:

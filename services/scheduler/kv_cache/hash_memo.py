@@ -16,14 +16,14 @@ surely as a hash names anything in the prefix cache. Requests whose extras vary 
 (multimodal items, prompt embeddings) are neither remembered nor recalled.
 
 It pays where hashing costs more than a dict lookup: with sha256, not with xxhash (about 0.5 µs a
-block, as much as a recall). The memo holds two generations of at most `capacity` entries each: when the newer one fills, it
-becomes the older one and the previous older one is dropped; an entry recalled from the older
-generation is copied into the newer. So a prefix in steady use stays, without per-entry bookkeeping.
+block, as much as a recall). The memo holds two generations of at most `capacity` entries each:
+when the newer one fills, it becomes the older one and the previous older one is dropped; an entry
+recalled from the older generation is copied into the newer. So a prefix in steady use stays,
+without per-entry bookkeeping.
 """
 from __future__ import annotations
 
 import hashlib
-from array import array
 from collections.abc import Sequence
 
 from prefixcache.services.common import cbor
@@ -126,12 +126,8 @@ def _first_extra_digest(extras: BlockExtras, block_size: int) -> bytes:
 
 def _words(token_ids: Sequence[int]) -> bytes | None:
     """The token ids as native 32-bit words, or None if one is not an unsigned 32-bit integer."""
-    words = array(cbor.UINT32_TYPECODE)
-    try:
-        words.fromlist(token_ids if isinstance(token_ids, list) else list(token_ids))
-    except (TypeError, OverflowError):
-        return None
-    return words.tobytes()
+    words = cbor.uint32_words(token_ids)
+    return None if words is None else words.tobytes()
 
 
 def _split(words: bytes, block_size: int) -> list[bytes]:
