@@ -1,11 +1,12 @@
 """One local platform for the whole e2e session: tokenizer, worker and scheduler as real processes on
-free loopback ports, with the embedded model. Every test checks afterwards that no block leaked."""
+free loopback ports, with the embedded model. After every test, each platform still running (this one
+and any a test module started) is checked for leaked blocks."""
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import pytest
-from platform_harness import run, start_platform, stop_platform, wait_idle
+from platform_harness import run, running_platforms, start_platform, stop_platform, wait_idle
 
 from prefixcache.services.cli.launcher import LocalPlatform
 
@@ -23,13 +24,10 @@ def target(platform: LocalPlatform) -> str:
 
 
 @pytest.fixture(autouse=True)
-def no_block_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
-    # Looked up before the test: fixtures may not be requested during teardown.
-    platform = request.getfixturevalue("platform") if "platform" in request.fixturenames else None
+def no_block_leaks() -> Iterator[None]:
     yield
-    if platform is None:
-        return
-    stats = run(wait_idle(platform.engine_address))
-    assert (stats.running_requests, stats.waiting_requests) == (0, 0)
-    assert stats.used_blocks == 0, f"{stats.used_blocks} blocks still held after the test"
-    assert stats.free_blocks == stats.num_blocks
+    for platform in running_platforms:
+        stats = run(wait_idle(platform.engine_address))
+        assert (stats.running_requests, stats.waiting_requests) == (0, 0), platform.engine_address
+        assert stats.used_blocks == 0, f"{stats.used_blocks} blocks still held after the test ({platform.engine_address})"
+        assert stats.free_blocks == stats.num_blocks

@@ -20,6 +20,8 @@ GRACE_S = 30.0
 TRACING_ENV = {"OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "100"}
 # grpc.aio binds its poller to the first event loop it sees: every test runs on this one.
 _loop = asyncio.new_event_loop()
+# Platforms started here and not yet stopped: every test checks each of them for leaked blocks.
+running_platforms: list[LocalPlatform] = []
 
 
 def run(coroutine):
@@ -47,10 +49,12 @@ def start_platform(log_dir: Path, extra_scheduler_args: list[str] = ()) -> Local
     except BaseException:
         platform.stop()
         raise
+    running_platforms.append(platform)
     return platform
 
 
 def stop_platform(platform: LocalPlatform) -> None:
+    running_platforms.remove(platform)
     statuses = platform.stop()
     # SIGTERM is a clean shutdown for every service: exit status 0.
     assert statuses == {"scheduler": 0, "worker": 0, "tokenizer": 0}, (

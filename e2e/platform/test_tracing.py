@@ -107,6 +107,30 @@ def test_trace_context_crosses_all_services(platform: LocalPlatform, target: str
         assert SECRET_SALT not in text
 
 
+def test_a_cache_hit_is_on_the_request_span(platform: LocalPlatform, target: str) -> None:
+    trace_id = 0x5EED000000000000000000000000C1D7
+    caller = SpanContext(trace_id, CALLER_SPAN_ID, is_remote=False, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    prefix = shared_prefix(20 * 16, f"a traced hit {time.monotonic_ns()}")
+
+    async def main():
+        async with EngineClient(target) as engine:
+            await engine.complete(build_request(token_ids=prefix + [13], max_tokens=1, temperature=0.0), timeout_s=120)
+            with trace.use_span(NonRecordingSpan(caller)):
+                request = build_request(token_ids=prefix + [13, 13], max_tokens=2, temperature=0.0)
+                return await engine.complete(request, timeout_s=120)
+
+    completion = run(main())
+    assert completion.usage.cached_tokens == 20 * 16
+    log = platform.scheduler.log_path
+    eventually(lambda: any(s["name"] == "generate" for s in spans_of_trace(log, trace_id)),
+               "the scheduler exported no request span")
+    attributes = next(s for s in spans_of_trace(log, trace_id) if s["name"] == "generate")["attributes"]
+    assert attributes["gen_ai.usage.cache_read.input_tokens"] == 20 * 16
+    assert attributes["prefix_cache.blocks_queried"] == completion.cache_account.queried_blocks == 20
+    assert attributes["prefix_cache.blocks_matched"] == completion.cache_account.hit_blocks == 20
+    assert attributes["prefix_cache.miss_reason"] == completion.cache_account.miss_reason
+
+
 def test_evictions_are_span_events_naming_block_hashes_and_the_requests_that_stored_them(
         platform: LocalPlatform, target: str) -> None:
     prompt_blocks = 63

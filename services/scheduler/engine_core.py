@@ -92,6 +92,7 @@ class StepExecutor(Protocol):
 
 
 _RECOVERY_BACKOFF_S = (0.05, 2.0)  # first and longest wait between re-initialization attempts
+_WORKER_LOST = "the worker was lost; retry the request"
 
 
 class EngineCore:
@@ -357,8 +358,10 @@ class EngineCore:
             self._idle.set()
 
     async def _recover(self, error: Exception) -> None:
-        """The worker is gone: fail the requests that streamed tokens, hold the others, drop the
-        cache, bring a worker back, then resubmit what was held."""
+        """The worker is gone: fail the requests that streamed tokens, drop the cache, bring a worker
+        back. Requests that streamed nothing run again from the start only if a worker answers at
+        the first try (one restarted while the engine was idle, which only the next step finds out);
+        otherwise they end UNAVAILABLE too, rather than wait an unknown time for one."""
         self._serving = False
         assert self._scheduler is not None
         self._held_counted = {request.request_id for request in self._scheduler.requests.values() if request.kv.counted}
@@ -372,22 +375,31 @@ class EngineCore:
         self.metrics.worker_lost()
         for request_id in failed:
             # The error names the worker's address: it stays in the log above, not in a client's status.
-            self._fail_stream(request_id, "the worker was lost; retry the request")
-        delay, longest = _RECOVERY_BACKOFF_S
-        while True:
-            try:
-                info = await self._executor.initialize(self.config.block_size)
-                break
-            except Exception as retry_error:  # not back yet, or back but failing: keep trying
-                log.info("worker not back yet (%s); retrying in %.2fs", retry_error, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, longest)
+            self._fail_stream(request_id, _WORKER_LOST)
+        info = await self._initialize_worker()
         self._install_worker(info)
         self._resubmit_held()
         self._serving = not self._stopping
         log.info("worker re-initialized: %d KV blocks, cache empty", info.num_kv_blocks)
         if self._serving:
             await self._announce_worker_availability(True)
+
+    async def _initialize_worker(self) -> WorkerInfo:
+        """Initialize the worker's cache, retrying with backoff until it answers; the held requests
+        end UNAVAILABLE as soon as the first try fails."""
+        delay, longest = _RECOVERY_BACKOFF_S
+        while True:
+            try:
+                return await self._executor.initialize(self.config.block_size)
+            except Exception as retry_error:  # not back yet, or back but failing: keep trying
+                if self._held:
+                    log.warning("worker not back at once; failing the %d held requests", len(self._held))
+                    held, self._held = self._held, {}
+                    for request_id in held:
+                        self._fail_stream(request_id, _WORKER_LOST)
+                log.info("worker not back yet (%s); retrying in %.2fs", retry_error, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, longest)
 
     def _resubmit_held(self) -> None:
         """Queue the held requests on the new worker's scheduler (failing any the new worker cannot

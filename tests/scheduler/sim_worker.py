@@ -53,7 +53,8 @@ class _WorkerRequest:
 
 class SimulatedWorker:
     """A StepExecutor. `fail_next_step()` makes the next execute lose the worker (and its KV memory);
-    `down_for` makes that many initialize calls fail after a loss."""
+    `down_for` makes that many initialize calls fail after a loss; while `initialize_gate` is set
+    to an unset event, initialize calls wait for it."""
 
     def __init__(
         self,
@@ -78,6 +79,7 @@ class SimulatedWorker:
         self.down_for = 0
         self.up = False
         self.answer_wrongly_next = False  # the next answer names another step (a confused worker)
+        self.initialize_gate: asyncio.Event | None = None
 
     def fail_next_step(self, down_for: int = 0) -> None:
         self.failures_pending += 1
@@ -85,6 +87,8 @@ class SimulatedWorker:
 
     async def initialize(self, block_size: int) -> WorkerInfo:
         await asyncio.sleep(0)
+        if self.initialize_gate is not None:
+            await self.initialize_gate.wait()
         if self.down_for > 0:
             self.down_for -= 1
             raise WorkerUnavailable("simulated worker still down")

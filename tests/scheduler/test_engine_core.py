@@ -227,21 +227,39 @@ def test_worker_loss_fails_in_flight_requests_and_a_restarted_worker_serves_with
     run(body)
 
 
-def test_a_request_that_streamed_nothing_survives_a_worker_loss():
+def test_a_request_that_streamed_nothing_survives_a_worker_that_is_back_at_once():
     prompt = list(range(100, 140))
 
     async def body(engine, worker):
         await collect(engine.add_request(request("warm", prompt)))
-        # The worker restarts while the engine is idle: only the next request's step finds out.
-        worker.fail_next_step(down_for=2)
+        # The worker restarted while the engine was idle: only the next request's step finds out.
+        worker.fail_next_step(down_for=0)
         outputs = await collect(engine.add_request(request("next", prompt)))
-        assert worker.initializations == 2  # at start, and again once back (after two failed tries)
+        assert worker.initializations == 2  # at start, and again after the loss
         assert tokens_of(outputs) == reference_generation(prompt, 6, VOCAB)
         assert outputs[-1].finish_reason == "length"
         assert outputs[-1].usage.cached_tokens == 0  # computed again, on the new worker's empty cache
         assert 'prefixcache_requests_finished_total{finish_reason="error"} 0.0' in engine.metrics.exposition().decode()
         # Each prompt counted once: "next" was admitted before the loss, and not counted again after.
         assert engine.cache_stats().queries == 2 * len(prompt)
+
+    run(body)
+
+
+def test_a_request_that_streamed_nothing_ends_unavailable_when_the_worker_is_not_back_at_once():
+    prompt = list(range(100, 140))
+
+    async def body(engine, worker):
+        worker.fail_next_step(down_for=2)
+        with pytest.raises(EngineUnavailable, match="worker was lost"):
+            await collect(engine.add_request(request("lost", prompt)))
+        while not engine.is_serving:
+            await asyncio.sleep(0.01)
+        assert engine.num_waiting == engine.num_running == 0  # not submitted again
+        assert worker.initializations == 2
+        outputs = await collect(engine.add_request(request("after", prompt)))
+        assert tokens_of(outputs) == reference_generation(prompt, 6, VOCAB)
+        assert 'prefixcache_requests_finished_total{finish_reason="error"} 1.0' in engine.metrics.exposition().decode()
 
     run(body)
 
@@ -270,7 +288,8 @@ def test_a_request_that_brings_the_worker_down_again_is_resubmitted_only_once():
 @pytest.mark.parametrize("ended_by", ["client", "shutdown"])
 def test_a_request_held_for_a_lost_worker_can_still_be_ended(ended_by):
     async def body(engine, worker):
-        worker.fail_next_step(down_for=1000)  # not coming back during the test
+        worker.fail_next_step()
+        worker.initialize_gate = asyncio.Event()  # the first try to bring the worker back is still out
         stream = engine.add_request(request("held", range(20)))
         while engine.is_serving:
             await asyncio.sleep(0.01)
@@ -282,7 +301,7 @@ def test_a_request_held_for_a_lost_worker_can_still_be_ended(ended_by):
         else:
             outputs, _ = await asyncio.gather(collect(stream), engine.shutdown(grace_s=0.1))
         assert [(o.finished, o.finish_reason, o.new_token_ids) for o in outputs] == [(True, "abort", [])]
-        worker.down_for = 0
+        worker.initialize_gate.set()
         while not engine.is_serving and ended_by == "client":
             await asyncio.sleep(0.01)
         assert engine.num_waiting == engine.num_running == 0  # not submitted again
