@@ -135,8 +135,9 @@ class TritonAttentionBackend(_CheckedBackend):
 
 
 def get_attention_backend(name: str | None = None, device: torch.device | str = "cpu",
-                          decode_staging_positions: int = 0) -> AttentionBackend:
-    """The backend called `name` for tensors on `device`; `None` or "auto" picks Triton on CUDA, else torch.
+                          decode_staging_positions: int = 0, dtype: torch.dtype = torch.float32) -> AttentionBackend:
+    """The backend called `name` for `dtype` tensors on `device`; `None` or "auto" picks Triton on CUDA,
+    else torch.
 
     `decode_staging_positions` lets the torch backend keep decode groups' keys and values between
     steps, that many positions per layer at most (see `decode_staging`); other backends read the
@@ -149,7 +150,7 @@ def get_attention_backend(name: str | None = None, device: torch.device | str = 
     if name == "reference":
         return ReferenceAttentionBackend()
     if name == "triton":
-        _check_triton_usable(device)
+        _check_triton_usable(device, dtype)
         return TritonAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
 
@@ -158,7 +159,7 @@ def _triton_interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _check_triton_usable(device: torch.device) -> None:
+def _check_triton_usable(device: torch.device, dtype: torch.dtype) -> None:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("attention backend 'triton' was asked for on CUDA, but no CUDA device is available")
@@ -173,6 +174,9 @@ def _check_triton_usable(device: torch.device) -> None:
             "TRITON_INTERPRET=1 is set, but triton was imported before it was: its kernels are compiled for "
             "a GPU and cannot run on CPU"
         )
+    if dtype == torch.bfloat16:  # triton 3.9's interpreter: a 16x16 bf16 tl.dot is off by 1e10
+        raise ValueError("Triton's interpreter computes bfloat16 dot products wrongly; use float32 with it, "
+                         "or the 'torch' backend on CPU")
 
 
 def triton_runs_interpreted() -> bool:

@@ -52,13 +52,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="localhost", help="Engine API address (default localhost)")
     parser.add_argument("--model-dir", type=Path, help="Hugging Face model directory (default: the embedded model)")
     parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
-    parser.add_argument("--kv-cache-memory", default="1GiB", help="worker KV cache budget, e.g. 512MiB")
+    parser.add_argument("--device", default="cpu", help="the worker's torch device (cpu, cuda)")
+    parser.add_argument("--attention-backend", help="the worker's attention kernels by name (default: per device)")
+    parser.add_argument("--kv-cache-memory", default="1GiB",
+                        help="worker KV cache budget: bytes (512MiB) or a fraction of free memory (0.4)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--hash-algo", default="sha256")
     parser.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
                         help="turn automatic prefix caching off (the second spelling is vLLM's)")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-waiting", type=int, help="waiting requests at most (default: the scheduler's)")
+    parser.add_argument("--max-model-len", type=int, help="prompt + output at most (default: the scheduler's)")
     parser.add_argument("--metrics-port", type=int, help="serve the scheduler's Prometheus metrics on this port")
     parser.add_argument("--log-dir", type=Path, help="where the services write their logs")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for all services")
@@ -73,8 +78,13 @@ def platform_config(args: argparse.Namespace, model_dir: Path) -> PlatformConfig
     ]  # fmt: skip
     if args.no_prefix_caching:
         scheduler_args.append("--no-prefix-caching")
-    if args.metrics_port is not None:
-        scheduler_args += ["--metrics-port", str(args.metrics_port)]
+    for flag, value in (("--max-waiting", args.max_waiting), ("--max-model-len", args.max_model_len),
+                        ("--metrics-port", args.metrics_port)):
+        if value is not None:
+            scheduler_args += [flag, str(value)]
+    worker_args = ["--device", args.device]
+    if args.attention_backend is not None:
+        worker_args += ["--attention-backend", args.attention_backend]
     return PlatformConfig(
         model_dir=model_dir,
         log_dir=args.log_dir or default_log_dir(),
@@ -83,6 +93,7 @@ def platform_config(args: argparse.Namespace, model_dir: Path) -> PlatformConfig
         dtype=args.dtype,
         kv_cache_memory=args.kv_cache_memory,
         scheduler_args=scheduler_args,
+        worker_args=worker_args,
         grace_s=args.grace,
     )
 

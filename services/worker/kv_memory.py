@@ -38,9 +38,17 @@ def parse_kv_cache_memory(spec: str) -> int | float:
 
 
 def kv_cache_budget_bytes(spec: str, device: torch.device | str = "cpu") -> int:
-    """Bytes for the KV cache from `spec` (see the module docstring), a fraction taken of what is free now."""
+    """Bytes for the KV cache from `spec` (see the module docstring), a fraction taken of what is free
+    now; ValueError for bytes beyond what is free (allocating them would end in the OOM killer, or an
+    allocator error that does not say which setting asked for so much)."""
     budget = parse_kv_cache_memory(spec)
-    return int(budget * free_device_memory(torch.device(device))) if isinstance(budget, float) else budget
+    free = free_device_memory(torch.device(device))
+    if isinstance(budget, float):
+        return int(budget * free)
+    if budget > free:
+        raise ValueError(f"kv cache memory of {budget} bytes is more than the {free} bytes free on {device}; "
+                         "give fewer bytes, or a fraction of free memory (e.g. 0.4)")
+    return budget
 
 
 def free_device_memory(device: torch.device) -> int:

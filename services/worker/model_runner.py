@@ -81,7 +81,7 @@ class ModelRunner:
         self.dtype_name = dtype
         self.dtype = parse_dtype(dtype)
         self.attention_backend = attention_backend
-        self.backend = get_attention_backend(attention_backend, self.device)
+        self.backend = get_attention_backend(attention_backend, self.device, dtype=self.dtype)
         loaded = load_model(model_dir, dtype, str(self.device))
         self.model = loaded.model
         self.config = loaded.config
@@ -121,12 +121,16 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         """Allocate the cache; any request state from an earlier cache is dropped."""
         config = self.config
+        # The old cache, and what the backend staged from it, go first: the budget may not hold two.
+        self.kv_caches, self.num_blocks = [], 0
+        self.backend = get_attention_backend(self.attention_backend, self.device, dtype=self.dtype)
+        self.requests.clear()
         self.kv_caches = allocate_kv_cache(config.num_layers, num_blocks, block_size, config.num_kv_heads,
                                            config.head_dim, self.dtype, self.device)
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.requests.clear()
         # A fresh backend: nothing it kept may outlive the cache it was read from.
-        self.backend = get_attention_backend(self.attention_backend, self.device, self._decode_staging_positions())
+        self.backend = get_attention_backend(self.attention_backend, self.device, self._decode_staging_positions(),
+                                             self.dtype)
 
     def _decode_staging_positions(self) -> int:
         """Positions the CPU path may keep staged for decodes (`kernels/decode_staging.py`): half the

@@ -70,11 +70,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if request.block_size <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "block_size: must be positive")
         async with self._lock:
+            # RESOURCE_EXHAUSTED, which the scheduler does not take for a lost worker: retrying cannot help.
             try:
                 num_blocks = runner.num_blocks_for_memory(self.kv_cache_memory, request.block_size)
             except ValueError as error:  # the budget holds not even one block
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"kv_cache_memory: {error}")
-            await self.compute.run(runner.initialize_kv_cache, num_blocks, request.block_size)
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"kv_cache_memory: {error}")
+            try:
+                await self.compute.run(runner.initialize_kv_cache, num_blocks, request.block_size)
+            except (RuntimeError, MemoryError) as error:  # the allocator's out of memory (CPU or CUDA)
+                self._block_size = None
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"kv_cache_memory: allocating {num_blocks} blocks failed: {error}")
             self._block_size = request.block_size
         log.info("KV cache initialized: %d blocks of %d tokens", num_blocks, request.block_size)
         description = describe_to_proto(runner.describe(), self.kv_cache_memory)
@@ -140,7 +146,10 @@ def run(args: argparse.Namespace) -> int:
         runner = await servicer.compute.run(
             ModelRunner, model_dir, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend
         )
-        servicer.kv_cache_memory = kv_cache_budget_bytes(args.kv_cache_memory, args.device)
+        try:
+            servicer.kv_cache_memory = kv_cache_budget_bytes(args.kv_cache_memory, args.device)
+        except ValueError as error:
+            raise ValueError(f"--kv-cache-memory: {error}") from None
         servicer.runner = runner  # last: requests wait for the runner, so the budget is set by then
         log.info("model loaded: %s; KV cache budget %d bytes", runner.describe().model_id, servicer.kv_cache_memory)
 

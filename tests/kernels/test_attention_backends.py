@@ -39,6 +39,15 @@ def test_triton_backend_where_triton_runs(triton_kernels, device):
     assert get_attention_backend("triton", device).name == "triton"
 
 
+def test_interpreted_triton_refuses_bfloat16(triton_kernels, device):
+    """Triton's interpreter gets bfloat16 dot products wrong by orders of magnitude: say so instead."""
+    if device.type == "cuda":
+        pytest.skip("compiled kernels run bfloat16 correctly")
+    assert get_attention_backend("triton", device, dtype=torch.float32).name == "triton"
+    with pytest.raises(ValueError, match="interpreter computes bfloat16 dot products wrongly"):
+        get_attention_backend("triton", device, dtype=torch.bfloat16)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised when no CUDA device exists")
 def test_cuda_without_a_gpu_is_a_clear_error():
     with pytest.raises(ValueError, match="no CUDA device"):

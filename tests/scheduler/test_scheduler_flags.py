@@ -29,3 +29,25 @@ def test_serve_passes_caching_off_on_to_the_scheduler(flag: str) -> None:
     config = serve.platform_config(parser.parse_args([flag]), Path("/models/m"))
     assert "--no-prefix-caching" in config.scheduler_args
     assert "--no-prefix-caching" not in serve.platform_config(parser.parse_args([]), Path("/models/m")).scheduler_args
+
+
+def test_serve_passes_queue_length_and_worker_options_on_to_the_services_that_read_them() -> None:
+    from prefixcache.services.worker import server as worker_server
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    config = serve.platform_config(
+        parser.parse_args(["--max-waiting", "3", "--max-model-len", "512", "--device", "cuda", "--attention-backend",
+                           "triton"]),
+        Path("/models/m"),
+    )
+    scheduler = scheduler_config(*config.scheduler_args)
+    assert (scheduler.max_waiting, scheduler.max_model_len) == (3, 512)
+    worker_parser = argparse.ArgumentParser()
+    worker_server.add_arguments(worker_parser)
+    worker = worker_parser.parse_args(config.worker_args)
+    assert (worker.device, worker.attention_backend) == ("cuda", "triton")
+    # Unset, the services' own defaults apply.
+    defaults = serve.platform_config(parser.parse_args([]), Path("/models/m"))
+    assert scheduler_config(*defaults.scheduler_args).max_waiting == scheduler_config().max_waiting
+    assert worker_parser.parse_args(defaults.worker_args).attention_backend is None

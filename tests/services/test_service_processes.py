@@ -117,6 +117,32 @@ def test_worker_refuses_a_bad_kv_cache_memory_before_loading_a_model(tmp_path: P
     assert "no-such-model" not in result.stderr  # it never got as far as the model
 
 
+@pytest.mark.slow
+def test_worker_refuses_a_kv_cache_budget_beyond_free_memory(model_dir: Path) -> None:
+    """Allocating it would end in the OOM killer, or an allocator error naming no setting."""
+    result = subprocess.run(
+        [sys.executable, "-m", "prefixcache.services.cli.main", "worker", "--port", "0",
+         "--kv-cache-memory", "1024TiB", "--model-dir", str(model_dir)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 1
+    assert "--kv-cache-memory: kv cache memory of 1125899906842624 bytes is more than the" in result.stderr
+
+
+@pytest.mark.slow
+def test_serve_stops_with_the_reason_when_the_kv_budget_holds_no_block(tmp_path: Path) -> None:
+    """The worker refuses to initialize a cache without room for one block; the scheduler takes
+    that for a setting to fix, not for a worker to wait for, and `serve` stops naming it."""
+    result = subprocess.run(
+        [sys.executable, "-m", "prefixcache.services.cli.main", "serve", "--port", str(free_port()),
+         "--kv-cache-memory", "100", "--log-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert result.returncode == 1
+    assert "the scheduler exited with status 1" in result.stderr
+    assert "kv_cache_memory: kv cache memory budget of 100 bytes is below one block" in result.stderr
+
+
 def test_the_engine_reports_not_serving_while_its_worker_is_replaced(model_dir: Path, tmp_path: Path) -> None:
     """Health of the Engine service follows the worker; the process's own ("") stays SERVING, so a
     liveness probe leaves the scheduler alone while a readiness probe on the Engine turns traffic away."""

@@ -101,6 +101,7 @@ def test_a_budget_too_small_for_one_block_is_refused(runner) -> None:
     async def body(stub: pb_grpc.WorkerStub) -> None:
         with pytest.raises(grpc.RpcError) as error:
             await stub.InitializeCache(pb.InitializeCacheRequest(block_size=BLOCK))
-        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert error.value.details().startswith("kv_cache_memory:")
 
     serve(runner, body, kv_memory=1024)

@@ -22,6 +22,14 @@ def test_fraction_of_free_memory() -> None:
     assert kv_cache_budget_bytes("0.25") == pytest.approx(free / 4, rel=0.05)  # free memory moves a little
 
 
+def test_bytes_beyond_free_memory_are_refused() -> None:
+    import torch
+
+    free = free_device_memory(torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"kv cache memory of \d+ bytes is more than the \d+ bytes free on cpu"):
+        kv_cache_budget_bytes(str(2 * free))
+
+
 @pytest.mark.parametrize("spec", ["", "lots", "2 parsecs", "1.5.2", "0.0", "1.5", "-3GiB", "0GiB"])
 def test_malformed_budgets_are_named(spec: str) -> None:
     with pytest.raises(ValueError, match="kv cache memory"):

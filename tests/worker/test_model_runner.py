@@ -234,3 +234,17 @@ def test_an_adapter_file_beside_model_safetensors_is_not_read_as_weights(tiny_di
     save_file({"base_model.model.lora_A.weight": torch.ones(2, 2)}, str(model_dir / "adapter_model.safetensors"))
     assert weight_files(model_dir) == [model_dir / "model.safetensors"]
     assert ModelRunner(model_dir).config.vocab_size > 0
+
+
+def test_loading_reports_progress_a_line_per_quarter(tmp_path: Path) -> None:
+    import io
+
+    from prefixcache.services.worker.loader import load_model
+
+    model_dir = save_tiny_checkpoint("qwen2", tmp_path / "sharded", max_shard_size="100KB")
+    progress = io.StringIO()  # not a terminal: whole lines, no redrawing
+    load_model(model_dir, progress=progress)
+    lines = progress.getvalue().splitlines()
+    percents = [int(line.split(":")[1].split("%")[0]) for line in lines]
+    assert all(line.startswith("loading weights: ") and line.endswith(" MiB)") for line in lines), lines
+    assert percents == sorted(percents) and percents[-1] == 100 and len(lines) >= 4
