@@ -165,7 +165,7 @@ def measure(ours: OurSide, theirs: TheirSide, vocab: int, repeats: int) -> list[
     cached, cold_again = paired_medians(lambda: ours.prefill({"hit": full}, cached_blocks=hit_blocks),
                                         lambda: ours.prefill({"cold": full}), repeats,
                                         ours_setup=compute_prefix, their_setup=ours.reset)
-    name = f"TTFT {SHARED_PREFIX} shared + {SUFFIX} new"
+    name = f"TTFT {SHARED_PREFIX} shared + {SUFFIX} new ({len(hit_blocks) * BLOCK_SIZE} cached)"
     rows.append((f"{name}, cold (ms)", 1000 * cold, 1000 * their_cold, their_cold / cold, "transformers"))
     rows.append((f"{name}, prefix cached (ms)", 1000 * cached, 1000 * their_cold, their_cold / cached,
                  "transformers (no cache)"))
@@ -177,9 +177,9 @@ def measure(ours: OurSide, theirs: TheirSide, vocab: int, repeats: int) -> list[
 def print_table(rows: list[Row], dtype: str, threads: int) -> None:
     print(f"\nprefixcache model runner, {dtype}, {threads} threads; torch {torch.__version__}, "
           f"transformers {transformers.__version__}")
-    print(f"{'measure':<46} {'ours':>9} {'baseline':>9} {'speed-up':>9}  baseline")
+    print(f"{'measure':<58} {'ours':>9} {'baseline':>9} {'speed-up':>9}  baseline")
     for name, ours, baseline, speedup, what in rows:
-        print(f"{name:<46} {ours:>9.1f} {baseline:>9.1f} {speedup:>8.2f}x  {what}")
+        print(f"{name:<58} {ours:>9.1f} {baseline:>9.1f} {speedup:>8.2f}x  {what}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,12 +22,13 @@ from prefixcache.services.common.grpc_server import Servicer, configure_logging,
 from prefixcache.services.common.step_codec import output_to_proto, step_from_proto
 
 if TYPE_CHECKING:
-    from prefixcache.services.worker.model_runner import ModelDescription, ModelRunner
+    from prefixcache.services.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Worker"].full_name
 
-def describe_to_proto(description: ModelDescription, kv_cache_memory: int) -> pb.ModelDescription:
+def describe_to_proto(runner: ModelRunner, kv_cache_memory: int) -> pb.ModelDescription:
+    description = runner.describe()
     return pb.ModelDescription(
         model_id=description.model_id,
         architecture=description.architecture,
@@ -41,6 +42,8 @@ def describe_to_proto(description: ModelDescription, kv_cache_memory: int) -> pb
         bytes_per_block_token=description.bytes_per_block_token,
         kv_cache_tokens=kv_cache_memory // description.bytes_per_block_token,
         tokenizer_id=description.tokenizer_id,
+        num_kv_blocks=runner.num_blocks,
+        block_size=runner.block_size,
     )
 
 
@@ -61,7 +64,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def Describe(self, request: pb.DescribeRequest, context: aio.ServicerContext) -> pb.ModelDescription:
         runner = await self._loaded(context)
-        return describe_to_proto(runner.describe(), self.kv_cache_memory)
+        return describe_to_proto(runner, self.kv_cache_memory)
 
     async def InitializeCache(
         self, request: pb.InitializeCacheRequest, context: aio.ServicerContext
@@ -83,7 +86,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                                     f"kv_cache_memory: allocating {num_blocks} blocks failed: {error}")
             self._block_size = request.block_size
         log.info("KV cache initialized: %d blocks of %d tokens", num_blocks, request.block_size)
-        description = describe_to_proto(runner.describe(), self.kv_cache_memory)
+        description = describe_to_proto(runner, self.kv_cache_memory)
         return pb.InitializeCacheResponse(num_blocks=num_blocks, block_size=request.block_size, model=description)
 
     async def ExecuteStep(self, request: pb.Step, context: aio.ServicerContext) -> pb.StepResult:

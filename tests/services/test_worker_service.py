@@ -53,11 +53,15 @@ def test_greedy_generation_through_steps(runner, model_dir: Path) -> None:
     async def body(stub: pb_grpc.WorkerStub) -> None:
         description = await stub.Describe(pb.DescribeRequest())
         assert description.vocab_size == 49152 and list(description.eos_token_ids) == [2]
+        assert (description.num_kv_blocks, description.block_size) == (0, 0)  # no cache yet
         assert description.tokenizer_id == tokenizer_id(model_dir)  # what the tokenizer service serves
         init = await stub.InitializeCache(pb.InitializeCacheRequest(block_size=BLOCK))
         expected_blocks = 32 * 2**20 // (description.bytes_per_block_token * BLOCK)
         assert init.num_blocks == expected_blocks and init.model.model_id == description.model_id
         assert description.kv_cache_tokens // BLOCK == expected_blocks  # known before InitializeCache
+        described = await stub.Describe(pb.DescribeRequest())
+        assert (described.num_kv_blocks, described.block_size) == (expected_blocks, BLOCK)
+        assert (init.model.num_kv_blocks, init.model.block_size) == (expected_blocks, BLOCK)
 
         # The prompt in two prefill chunks (the first samples nothing), then decodes, growing the
         # block table by one block when the sequence crosses a block boundary.
