@@ -86,17 +86,19 @@ def blocked_wins_everywhere(layer_shapes: tuple[tuple[int, int], ...], num_layer
     layer_params = sum(out_features * in_features for out_features, in_features in layer_shapes)
     copies = max(1, min(num_layers, CALIBRATE_FROM_BYTES // (4 * layer_params)))
     generator = torch.Generator().manual_seed(0)
-    weights = [torch.randn(shape, generator=generator) for _ in range(copies) for shape in layer_shapes]
-    transposed = [weight.t().contiguous() for weight in weights]
-    blocked = [torch.ops.mkldnn._reorder_linear_weight(weight, _BLOCKED_HINT_ROWS) for weight in weights]
-    del weights
+    layouts = []  # (in_features, transposed, blocked) per weight
+    for _ in range(copies):
+        for shape in layer_shapes:
+            weight = torch.randn(shape, generator=generator)
+            layouts.append((shape[1], weight.t().contiguous(),
+                            torch.ops.mkldnn._reorder_linear_weight(weight, _BLOCKED_HINT_ROWS)))
     ratios = {}
     for rows in _CALIBRATION_ROWS:
         inputs = {in_features: torch.randn(rows, in_features, generator=generator) for _, in_features in layer_shapes}
         sweeps = {
-            "transposed": lambda: [torch.mm(inputs[w.shape[0]], w) for w in transposed],
-            "blocked": lambda: [torch.ops.mkldnn._linear_pointwise(inputs[w_t.shape[0]], w, None, "none", [], "")
-                                for w_t, w in zip(transposed, blocked)],
+            "transposed": lambda: [torch.mm(inputs[n], transposed) for n, transposed, _ in layouts],
+            "blocked": lambda: [torch.ops.mkldnn._linear_pointwise(inputs[n], blocked, None, "none", [], "")
+                                for n, _, blocked in layouts],
         }
         timings = {name: [] for name in sweeps}
         for _ in range(_CALIBRATION_PAIRS + 1):  # alternating, so a slow moment of the machine hits both
