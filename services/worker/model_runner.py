@@ -122,7 +122,7 @@ class ModelRunner:
         """Allocate the cache; any request state from an earlier cache is dropped."""
         config = self.config
         # The old cache, and what the backend staged from it, go first: the budget may not hold two.
-        self.kv_caches, self.num_blocks = [], 0
+        self.kv_caches, self.num_blocks, self.block_size = [], 0, 0
         self.backend = get_attention_backend(self.attention_backend, self.device, dtype=self.dtype)
         self.requests.clear()
         self.kv_caches = allocate_kv_cache(config.num_layers, num_blocks, block_size, config.num_kv_heads,
