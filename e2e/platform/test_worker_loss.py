@@ -65,24 +65,33 @@ def test_worker_killed_mid_stream_then_restarted(platform: LocalPlatform, target
 def test_worker_killed_before_the_first_token_and_not_back(platform: LocalPlatform, target: str) -> None:
     """A request still in its prefill when the worker dies ends UNAVAILABLE too, at once, rather than
     waiting for a worker that may never come back."""
-    prompt = shared_prefix(100 * 16, f"a doomed prefill {time.monotonic_ns()}")  # seconds of prefill
+    prompt = shared_prefix(100 * 16, f"a doomed prefill {time.monotonic_ns()}")  # a second or more of prefill
+
+    received: list[int] = []
+
+    async def read_all(call) -> None:
+        async for chunk in call:
+            received.extend(chunk.token_ids)
 
     async def main() -> None:
         async with EngineClient(target) as engine:
-            call = engine.complete(build_request(token_ids=prompt, max_tokens=4, temperature=0.0), timeout_s=120)
-            pending = asyncio.ensure_future(call)
-            while (await engine.cache_stats()).running_requests == 0:
-                assert not pending.done(), "the request ended before the worker was killed"
-                await asyncio.sleep(0.02)
-            platform.worker.kill()
-            started = time.monotonic()
-            with pytest.raises(grpc.aio.AioRpcError) as error:
-                await pending
-            assert error.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "worker was lost" in error.value.details()
-            assert time.monotonic() - started < 10  # not held for the worker's return
-
-            platform.restart_worker()
+            call = engine.generate(build_request(token_ids=prompt, max_tokens=4, temperature=0.0), timeout_s=120)
+            reading = asyncio.ensure_future(read_all(call))
+            try:
+                while (await engine.cache_stats()).running_requests == 0:
+                    assert not reading.done(), "the request ended before the worker was killed"
+                    await asyncio.sleep(0.02)
+                platform.worker.kill()
+                started = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await reading
+                    pytest.fail(f"the request completed with {received} although its worker was killed")
+                assert received == []  # killed in the prefill: the path of a request that streamed nothing
+                assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "worker was lost" in error.value.details()
+                assert time.monotonic() - started < 10  # not held for the worker's return
+            finally:
+                platform.restart_worker()  # the later tests need it, whatever happened here
             after = await complete_when_back(engine, build_request(token_ids=prompt[:64], max_tokens=2))
             assert after.usage.cached_tokens == 0
 

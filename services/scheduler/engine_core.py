@@ -397,7 +397,10 @@ class EngineCore:
                     held, self._held = self._held, {}
                     for request_id in held:
                         self._fail_stream(request_id, _WORKER_LOST)
-                log.info("worker not back yet (%s); retrying in %.2fs", retry_error, delay)
+                # Unreachable is expected while it restarts; a worker that answers and refuses (its
+                # KV budget holds no block) needs someone to change its settings.
+                level = logging.INFO if isinstance(retry_error, WorkerUnavailable) else logging.ERROR
+                log.log(level, "worker not back yet (%s); retrying in %.2fs", retry_error, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, longest)
 

@@ -42,9 +42,12 @@ def kv_cache_budget_bytes(spec: str, device: torch.device | str = "cpu") -> int:
     now; ValueError for bytes beyond what is free (allocating them would end in the OOM killer, or an
     allocator error that does not say which setting asked for so much)."""
     budget = parse_kv_cache_memory(spec)
-    free = free_device_memory(torch.device(device))
     if isinstance(budget, float):
-        return int(budget * free)
+        return int(budget * free_device_memory(torch.device(device)))
+    try:
+        free = free_device_memory(torch.device(device))
+    except (OSError, RuntimeError):  # cannot tell (no /proc/meminfo): take the bytes as given
+        return budget
     if budget > free:
         raise ValueError(f"kv cache memory of {budget} bytes is more than the {free} bytes free on {device}; "
                          "give fewer bytes, or a fraction of free memory (e.g. 0.4)")

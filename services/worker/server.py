@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from prefixcache.services.worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
+_OUT_OF_MEMORY = re.compile(r"can't allocate memory|out of memory", re.IGNORECASE)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Worker"].full_name
 
 def describe_to_proto(runner: ModelRunner, kv_cache_memory: int) -> pb.ModelDescription:
@@ -80,7 +82,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"kv_cache_memory: {error}")
             try:
                 await self.compute.run(runner.initialize_kv_cache, num_blocks, request.block_size)
-            except (RuntimeError, MemoryError) as error:  # the allocator's out of memory (CPU or CUDA)
+            except (MemoryError, RuntimeError) as error:  # torch.OutOfMemoryError is a RuntimeError
+                if not isinstance(error, MemoryError) and not _OUT_OF_MEMORY.search(str(error)):
+                    raise  # not the allocator's out of memory (CPU or CUDA): a bug, reported as such
                 self._block_size = None
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     f"kv_cache_memory: allocating {num_blocks} blocks failed: {error}")

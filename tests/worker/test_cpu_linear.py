@@ -8,10 +8,8 @@ from torch import nn
 
 from prefixcache.services.worker.models.cpu_linear import (
     ALL_ROWS,
-    CALIBRATE_FROM_BYTES,
     FLOAT32_BLOCKED_ROWS,
     CpuLinear,
-    blocked_wins_everywhere,
     choose_blocked_rows,
     swap_in_cpu_linears,
 )
@@ -82,27 +80,3 @@ def test_loaded_cpu_model_serves_every_projection_from_cpu_layouts(smollm_runner
     hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(model.compute_logits(hidden), F.linear(hidden, model.embed_tokens.weight),
                                rtol=1e-4, atol=1e-4)
-
-
-@needs_onednn
-def test_a_float32_model_keeps_the_layouts_its_start_up_timing_chose(smollm_runner) -> None:
-    """The embedded model is large enough to time the two layouts on its own layer shapes; every
-    projection then holds the copies that choice needs, and no other."""
-    model = smollm_runner.model
-    shapes = tuple((m.out_features, m.in_features) for m in model.layers[0].modules() if isinstance(m, CpuLinear))
-    misses = blocked_wins_everywhere.cache_info().misses
-    chose_blocked = blocked_wins_everywhere(shapes, len(model.layers))
-    assert blocked_wins_everywhere.cache_info().misses == misses  # the answer the load got, not a new timing
-    layers = [module for module in model.modules() if isinstance(module, CpuLinear)]
-    if chose_blocked:
-        assert all(layer.blocked_rows == ALL_ROWS and layer.weight_t is None for layer in layers)
-    else:
-        assert all(layer.weight_t is not None and layer.blocked_rows in (FLOAT32_BLOCKED_ROWS, range(0))
-                   for layer in layers)
-
-
-@needs_onednn
-def test_small_float32_models_are_not_timed() -> None:
-    misses = blocked_wins_everywhere.cache_info().misses
-    assert choose_blocked_rows(torch.float32, CALIBRATE_FROM_BYTES - 1, ((96, 64),), 3) == FLOAT32_BLOCKED_ROWS
-    assert blocked_wins_everywhere.cache_info().misses == misses

@@ -19,27 +19,16 @@ cross over at 3-4 rows (all projections and the head, transposed / blocked: 2 ro
 28.5 / 31.1, 4 rows 39.7 / 35.5, 6 rows 45.0 / 36.4). So bfloat16 weights live only in the blocked
 layout; float32 weights are kept transposed, plus a blocked copy for 4-32 rows when memory allows (it
 doubles the projections' footprint).
-
-Those crossovers belong to that CPU. On another 2-core VM (AVX without AVX2), oneDNN's blocked layout
-won at every row count (transposed / blocked, all projections: 1 row 44.7 / 40.0, 58 rows 217 / 131,
-1,050 rows 1,731 / 1,540 ms). So for float32 models large enough to matter, the worker times both
-layouts once at start-up on the model's own layer shapes (`blocked_wins_everywhere`, under a second)
-and keeps only the blocked copy where it wins at 1, 64 and 256 rows alike.
 """
 from __future__ import annotations
 
-import logging
-import statistics
 import sys
-import time
 from functools import lru_cache
 
 import torch
 from torch import nn
 
 from prefixcache.services.worker.kv_memory import free_device_memory
-
-log = logging.getLogger(__name__)
 
 FLOAT32_BLOCKED_ROWS = range(4, 33)
 ALL_ROWS = range(0, sys.maxsize)
@@ -49,69 +38,17 @@ _BLOCKED_HINT_ROWS = 8  # the row count oneDNN tunes its reorder for
 _BLOCKED_COPY_MEMORY_SHARE = 0.25
 
 
-# Float32 models whose projections take at least this much are worth timing the two layouts for (a
-# test's tiny model is not: its weights stay in cache, so the timing would not say much).
-CALIBRATE_FROM_BYTES = 64 * 2**20
-# The row counts timed (a decode, a short prefill or a cached turn's new tokens, a prefill chunk), and
-# the share of the transposed layout's time the blocked one must stay under at every one of them.
-_CALIBRATION_ROWS = (1, 64, 256)
-_CALIBRATION_MARGIN = 0.97
-_CALIBRATION_PAIRS = 3
-
-
-def choose_blocked_rows(dtype: torch.dtype, projection_bytes: int,
-                        layer_shapes: tuple[tuple[int, int], ...] = (), num_layers: int = 1) -> range | None:
-    """Row counts that should use the blocked layout (None: no blocked copy) for these weights.
-
-    `layer_shapes`: one layer's projection weights, `(out, in)`, for timing the layouts (float32 only).
-    """
+def choose_blocked_rows(dtype: torch.dtype, projection_bytes: int) -> range | None:
+    """Row counts that should use the blocked layout (None: no blocked copy) for these weights."""
     if not _blocked_layout_works(dtype):
         return None
     if dtype == torch.bfloat16:
         return ALL_ROWS
-    if layer_shapes and projection_bytes >= CALIBRATE_FROM_BYTES and blocked_wins_everywhere(layer_shapes, num_layers):
-        return ALL_ROWS  # and no transposed copy: the smaller footprint too
     try:
         available = free_device_memory(torch.device("cpu"))
     except (OSError, RuntimeError):  # no /proc/meminfo: do not guess, keep one copy
         return None
     return FLOAT32_BLOCKED_ROWS if projection_bytes <= _BLOCKED_COPY_MEMORY_SHARE * available else None
-
-
-@lru_cache(maxsize=None)
-def blocked_wins_everywhere(layer_shapes: tuple[tuple[int, int], ...], num_layers: int) -> bool:
-    """Whether float32 projections of these shapes run faster from the blocked layout than from the
-    transposed one at 1, 64 and 256 rows, timed on random weights of up to 64 MiB (several layers'
-    worth, so that they do not stay in cache, as a model's weights do not between steps)."""
-    layer_params = sum(out_features * in_features for out_features, in_features in layer_shapes)
-    copies = max(1, min(num_layers, CALIBRATE_FROM_BYTES // (4 * layer_params)))
-    generator = torch.Generator().manual_seed(0)
-    layouts = []  # (in_features, transposed, blocked) per weight
-    for _ in range(copies):
-        for shape in layer_shapes:
-            weight = torch.randn(shape, generator=generator)
-            layouts.append((shape[1], weight.t().contiguous(),
-                            torch.ops.mkldnn._reorder_linear_weight(weight, _BLOCKED_HINT_ROWS)))
-    ratios = {}
-    for rows in _CALIBRATION_ROWS:
-        inputs = {in_features: torch.randn(rows, in_features, generator=generator) for _, in_features in layer_shapes}
-        sweeps = {
-            "transposed": lambda: [torch.mm(inputs[n], transposed) for n, transposed, _ in layouts],
-            "blocked": lambda: [torch.ops.mkldnn._linear_pointwise(inputs[n], blocked, None, "none", [], "")
-                                for n, _, blocked in layouts],
-        }
-        timings = {name: [] for name in sweeps}
-        for _ in range(_CALIBRATION_PAIRS + 1):  # alternating, so a slow moment of the machine hits both
-            for name, sweep in sweeps.items():
-                start = time.perf_counter()
-                sweep()
-                timings[name].append(time.perf_counter() - start)
-        # The first pair warms up.
-        ratios[rows] = statistics.median(timings["blocked"][1:]) / statistics.median(timings["transposed"][1:])
-    wins = all(ratio <= _CALIBRATION_MARGIN for ratio in ratios.values())
-    log.info("float32 projections, blocked / transposed time at %s: %s", "/".join(map(str, ratios)) + " rows",
-             ", ".join(f"{ratio:.2f}" for ratio in ratios.values()) + (" (blocked at every row count)" if wins else ""))
-    return wins
 
 
 @lru_cache(maxsize=None)

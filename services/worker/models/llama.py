@@ -151,9 +151,7 @@ class LlamaForCausalLM(nn.Module):
         projections = [m for m in self.modules() if isinstance(m, nn.Linear)]
         head = self.embed_tokens.weight if self.lm_head is None else None
         projection_bytes = sum(m.weight.nbytes for m in projections) + (head.nbytes if head is not None else 0)
-        layer_shapes = tuple(tuple(m.weight.shape) for m in self.layers[0].modules() if isinstance(m, nn.Linear))
-        blocked_rows = choose_blocked_rows(self.embed_tokens.weight.dtype, projection_bytes, layer_shapes,
-                                           len(self.layers))
+        blocked_rows = choose_blocked_rows(self.embed_tokens.weight.dtype, projection_bytes)
         swap_in_cpu_linears(self, blocked_rows)
         if head is not None:
             self.lm_head = CpuLinear(head, None, blocked_rows)
