@@ -80,12 +80,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 num_blocks = runner.num_blocks_for_memory(self.kv_cache_memory, request.block_size)
             except ValueError as error:  # the budget holds not even one block
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"kv_cache_memory: {error}")
+            self._block_size = None  # no cache until the new one is in place: steps are refused meanwhile
             try:
                 await self.compute.run(runner.initialize_kv_cache, num_blocks, request.block_size)
             except (MemoryError, RuntimeError) as error:  # torch.OutOfMemoryError is a RuntimeError
                 if not isinstance(error, MemoryError) and not _OUT_OF_MEMORY.search(str(error)):
                     raise  # not the allocator's out of memory (CPU or CUDA): a bug, reported as such
-                self._block_size = None
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     f"kv_cache_memory: allocating {num_blocks} blocks failed: {error}")
             self._block_size = request.block_size
