@@ -9,16 +9,20 @@ step pays it again. Two layouts avoid it:
 - oneDNN's blocked layout, reordered once, for `mkldnn._linear_pointwise`.
 
 Measured on the 2-core dev VM, SmolLM2-135M's 30 layers, weights not in cache, ms per step for all
-projections (F.linear / transposed / blocked):
+projections (F.linear / transposed / blocked), 2026-12-02/03:
 
     float32   1 row 24.5 / 21.7 / 28.5   8 rows 55.3 / 45.0 / 36.3   64 rows 96.5 / 87.7 / 120.1
     bfloat16  1 row 27.7 / 32.0 / 20.1   8 rows 38.2 / 41.2 / 29.1   256 rows 410 / 408 / 387
 
-and the tied 49,152-row logits head, float32, 8 rows: 18.8 / 11.6 / 7.8. The two float32 layouts
-cross over at 3-4 rows (all projections and the head, transposed / blocked: 2 rows 27.5 / 28.4, 3 rows
-28.5 / 31.1, 4 rows 39.7 / 35.5, 6 rows 45.0 / 36.4). So bfloat16 weights live only in the blocked
-layout; float32 weights are kept transposed, plus a blocked copy for 4-32 rows when memory allows (it
-doubles the projections' footprint).
+and the tied 49,152-row logits head, float32, 8 rows: 18.8 / 11.6 / 7.8. The same CPU model in a
+slower phase (2026-12-04, transposed / blocked) gave 1 row 34.1 / 27.0, 2 rows 79.2 / 49.7, 4 rows
+107 / 56, 58 rows 145 / 120, 200 rows 437 / 366, 1,050 rows 2,180 / 1,769 (and the whole model's
+batch-1 decode step 51 / 62 ms). Where the blocked layout lost, it took about a third longer (1 row
+and 64 rows, 2026-12-03); where the transposed one lost, a fifth to nine tenths longer (2 rows and
+up, 2026-12-04). So float32 weights are kept transposed for single-row steps, plus a blocked copy for every other row count when memory
+allows (it doubles the projections' footprint). bfloat16 weights live only in the blocked layout.
+The choice is fixed, not timed at start-up: the two layouts' float32 results differ by up to 1e-4,
+and workers of one deployment must agree on greedy tokens.
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ from torch import nn
 
 from prefixcache.services.worker.kv_memory import free_device_memory
 
-FLOAT32_BLOCKED_ROWS = range(4, 33)
+FLOAT32_BLOCKED_ROWS = range(2, sys.maxsize)
 ALL_ROWS = range(0, sys.maxsize)
 _BLOCKED_HINT_ROWS = 8  # the row count oneDNN tunes its reorder for
 # The float32 blocked copy is kept while all projections' weights take at most this share of the
@@ -93,8 +97,9 @@ class CpuLinear(nn.Module):
         return torch.addmm(self.bias, x, self.weight_t)
 
     def extra_repr(self) -> str:
-        blocked = "none" if not self.blocked_rows else "all" if self.blocked_rows == ALL_ROWS else \
-            f"{self.blocked_rows.start}-{self.blocked_rows.stop - 1}"
+        rows = self.blocked_rows
+        blocked = "none" if not rows else "all" if rows == ALL_ROWS else \
+            f"{rows.start}+" if rows.stop == sys.maxsize else f"{rows.start}-{rows.stop - 1}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, blocked_rows={blocked}")
 
