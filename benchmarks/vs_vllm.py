@@ -40,6 +40,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+# Before grpc is imported: this process starts local services (fork, then exec) while its own gRPC
+# calls run, and gRPC's fork handlers could hang the child before exec (`prefixcache` does the same).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 from prefixcache.services.bench.driver import StreamingEndpoint, TenantSalts, drive
 from prefixcache.services.bench.engine import EngineEndpoint
 from prefixcache.services.bench.local_platform import LocalSettings, local_platform
