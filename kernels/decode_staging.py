@@ -13,6 +13,11 @@ new one) and one more position each; any other change (a member finished, joined
 gathers afresh. Each layer's buffers also record the lengths they hold and gather afresh when those
 are not one short of this step's, so a step that failed half-way leaves nothing stale behind.
 
+Buffers hold each key/value head's positions contiguously (`[members, heads, positions, dim]`), not
+in the cache's position-major order: the CPU flash kernel packs strided keys and values itself, and
+gives the same bits either way. SmolLM2, 8 decodes at 1.1k-token contexts, profiled: 2.54 → 1.68 ms
+per layer's attention, 195 → 119 ms a step (2026-12-04, the slow VM).
+
 Buffers take memory beside the cache, at most `max_positions` positions per layer in all (the model
 runner allows half the cache's positions, less if free memory is short). Groups beyond that, and
 groups too small to gain (`MIN_GROUP_POSITIONS`), are gathered every step, as before.
@@ -41,7 +46,7 @@ MIN_GROUP_POSITIONS = 2048
 
 @dataclass(eq=False)
 class _LayerBuffers:
-    keys: torch.Tensor  # [members, capacity, num_kv_heads, head_dim]
+    keys: torch.Tensor  # [members, num_kv_heads, capacity, head_dim]
     values: torch.Tensor
     lens: list[int]  # positions held per member
 
@@ -79,7 +84,9 @@ class StagedGroup:
     def read(
         self, key_cache: torch.Tensor, value_cache: torch.Tensor, blocks: torch.Tensor, max_len: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This layer's keys and values, `[members, max_len, num_kv_heads, head_dim]` each.
+        """This layer's keys and values, `[members, num_kv_heads, max_len, head_dim]` each: every
+        head's positions contiguous, which the CPU flash kernel reads faster than the cache's
+        position-major order (it gives the same bits either way).
 
         `blocks` is the group's padded block table (what a gather would read); the cache already
         holds this step's keys and values. `advance` must have been called for this step."""
@@ -88,23 +95,24 @@ class StagedGroup:
         if buffers is not None and buffers.lens == self._previous_lens:
             members, positions, slots = self._newest
             num_kv_heads, head_dim = key_cache.shape[2:]
-            buffers.keys[members, positions] = key_cache.view(-1, num_kv_heads, head_dim)[slots]
-            buffers.values[members, positions] = value_cache.view(-1, num_kv_heads, head_dim)[slots]
+            buffers.keys[members, :, positions] = key_cache.view(-1, num_kv_heads, head_dim)[slots]
+            buffers.values[members, :, positions] = value_cache.view(-1, num_kv_heads, head_dim)[slots]
         else:
             buffers = self._layers[layer] = _LayerBuffers(
                 self._gather(key_cache, blocks), self._gather(value_cache, blocks), []
             )
         buffers.lens = self.lens
-        return buffers.keys[:, :max_len], buffers.values[:, :max_len]
+        return buffers.keys[:, :, :max_len], buffers.values[:, :, :max_len]
 
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         members, num_blocks = blocks.shape
         num_gathered = num_blocks * self.block_size
-        buffer = cache.new_empty(members, self.capacity, *cache.shape[2:])
-        buffer[:, :num_gathered] = cache.index_select(0, blocks.reshape(-1)).view(members, num_gathered,
-                                                                                   *cache.shape[2:])
+        num_kv_heads, head_dim = cache.shape[2:]
+        buffer = cache.new_empty(members, num_kv_heads, self.capacity, head_dim)
+        gathered = cache.index_select(0, blocks.reshape(-1)).view(members, num_gathered, num_kv_heads, head_dim)
+        buffer[:, :, :num_gathered] = gathered.transpose(1, 2)
         # Past a member's own positions lie masked slots, which must hold finite values.
-        buffer[:, num_gathered:] = 0
+        buffer[:, :, num_gathered:] = 0
         return buffer
 
 

@@ -273,9 +273,9 @@ def _decode_inputs(
     queries = query.index_select(0, decodes.token_index).view(num_decodes, num_kv_heads, -1, head_dim)
     if decodes.staged is not None:
         keys, values = decodes.staged.read(key_cache, value_cache, decodes.blocks, decodes.max_len)
-    else:
-        keys = _read_blocks(key_cache, decodes.blocks, decodes.first_block)[:, : decodes.max_len]
-        values = _read_blocks(value_cache, decodes.blocks, decodes.first_block)[:, : decodes.max_len]
+        return queries, keys, values
+    keys = _read_blocks(key_cache, decodes.blocks, decodes.first_block)[:, : decodes.max_len]
+    values = _read_blocks(value_cache, decodes.blocks, decodes.first_block)[:, : decodes.max_len]
     return queries, keys.transpose(1, 2), values.transpose(1, 2)
 
 
