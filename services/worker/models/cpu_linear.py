@@ -19,8 +19,9 @@ slower phase (2026-12-04, transposed / blocked) gave 1 row 34.1 / 27.0, 2 rows 7
 107 / 56, 58 rows 145 / 120, 200 rows 437 / 366, 1,050 rows 2,180 / 1,769 (and the whole model's
 batch-1 decode step 51 / 62 ms). Where the blocked layout lost, it took about a third longer (1 row
 and 64 rows, 2026-12-03); where the transposed one lost, a fifth to nine tenths longer (2 rows and
-up, 2026-12-04). So float32 weights are kept transposed for single-row steps, plus a blocked copy for every other row count when memory
-allows (it doubles the projections' footprint). bfloat16 weights live only in the blocked layout.
+up, 2026-12-04). So float32 weights are kept transposed for single-row steps, plus a blocked copy
+for every other row count when memory allows (it doubles the projections' footprint). bfloat16
+weights live only in the blocked layout.
 The choice is fixed, not timed at start-up: the two layouts' float32 results differ by up to 1e-4,
 and workers of one deployment must agree on greedy tokens.
 """
