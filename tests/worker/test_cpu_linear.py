@@ -58,7 +58,7 @@ def test_transposed_copy_only_without_blocked_rows() -> None:
 @needs_onednn
 def test_blocked_copy_depends_on_dtype_and_memory() -> None:
     assert choose_blocked_rows(torch.float32, 1 << 20) == FLOAT32_BLOCKED_ROWS
-    assert choose_blocked_rows(torch.float32, 1 << 62) is None  # no room for a second copy
+    assert choose_blocked_rows(torch.float32, 1 << 62) == ALL_ROWS  # no room for a second copy: blocked only
     expected_bf16 = ALL_ROWS if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
     assert choose_blocked_rows(torch.bfloat16, 1 << 62) == expected_bf16  # one copy, whatever the size
 

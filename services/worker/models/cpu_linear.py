@@ -19,8 +19,8 @@ slower phase (2026-12-04, transposed / blocked) gave 1 row 34.1 / 27.0, 2 rows 7
 107 / 56, 58 rows 145 / 120, 200 rows 437 / 366, 1,050 rows 2,180 / 1,769 (and the whole model's
 batch-1 decode step 51 / 62 ms). Where the blocked layout lost, it took about a third longer (1 row
 and 64 rows, 2026-12-03); where the transposed one lost, a fifth to nine tenths longer (2 rows and
-up, 2026-12-04). So float32 weights are kept transposed for single-row steps, plus a blocked copy
-for every other row count when memory allows (it doubles the projections' footprint). bfloat16
+up, 2026-12-04). So float32 weights are kept blocked for steps of 2 rows or more, plus a transposed
+copy for single-row steps when memory allows (it doubles the projections' footprint); bfloat16
 weights live only in the blocked layout.
 The choice is fixed, not timed at start-up: the two layouts' float32 results differ by up to 1e-4,
 and workers of one deployment must agree on greedy tokens.
@@ -38,9 +38,9 @@ from prefixcache.services.worker.kv_memory import free_device_memory
 FLOAT32_BLOCKED_ROWS = range(2, sys.maxsize)
 ALL_ROWS = range(0, sys.maxsize)
 _BLOCKED_HINT_ROWS = 8  # the row count oneDNN tunes its reorder for
-# The float32 blocked copy is kept while all projections' weights take at most this share of the
-# memory available after loading.
-_BLOCKED_COPY_MEMORY_SHARE = 0.25
+# float32 weights get a second, transposed copy for single-row steps while all projections' weights
+# take at most this share of the memory available after loading; otherwise the blocked copy alone.
+_TWO_COPIES_MEMORY_SHARE = 0.25
 
 
 def choose_blocked_rows(dtype: torch.dtype, projection_bytes: int) -> range | None:
@@ -52,8 +52,9 @@ def choose_blocked_rows(dtype: torch.dtype, projection_bytes: int) -> range | No
     try:
         available = free_device_memory(torch.device("cpu"))
     except (OSError, RuntimeError):  # no /proc/meminfo: do not guess, keep one copy
-        return None
-    return FLOAT32_BLOCKED_ROWS if projection_bytes <= _BLOCKED_COPY_MEMORY_SHARE * available else None
+        return ALL_ROWS
+    # With one copy only, the blocked one loses less where it loses (module docstring).
+    return FLOAT32_BLOCKED_ROWS if projection_bytes <= _TWO_COPIES_MEMORY_SHARE * available else ALL_ROWS
 
 
 @lru_cache(maxsize=None)
