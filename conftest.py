@@ -1,7 +1,5 @@
 """Loaded before every test module: settings that must be in place before grpc is first imported."""
-import os
+from prefixcache.services.common.fork_handlers import turn_off_grpc_fork_handlers
 
-# The e2e harness restarts service processes while this process has gRPC client calls in flight.
-# subprocess forks for that (the services are started with a preexec_fn), and gRPC's fork handlers,
-# run then, could leave the child hung before it reached exec. The child only execs: it needs none.
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+# The e2e harness restarts service processes (fork, then exec) while this process has gRPC calls in flight.
+turn_off_grpc_fork_handlers()

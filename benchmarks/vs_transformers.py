@@ -20,15 +20,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-# Before grpc is imported: this process starts local services (fork, then exec) while its own gRPC
-# calls run, and gRPC's fork handlers could hang the child before exec (`prefixcache` does the same).
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+from prefixcache.services.common.fork_handlers import turn_off_grpc_fork_handlers
+
+turn_off_grpc_fork_handlers()  # before grpc is imported: this process starts local services
 
 from prefixcache.services.bench.driver import TenantSalts, drive
 from prefixcache.services.bench.local_platform import LocalSettings

@@ -40,9 +40,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-# Before grpc is imported: this process starts local services (fork, then exec) while its own gRPC
-# calls run, and gRPC's fork handlers could hang the child before exec (`prefixcache` does the same).
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+from prefixcache.services.common.fork_handlers import turn_off_grpc_fork_handlers
+
+turn_off_grpc_fork_handlers()  # before grpc is imported: this process starts local services
 
 from prefixcache.services.bench.driver import StreamingEndpoint, TenantSalts, drive
 from prefixcache.services.bench.engine import EngineEndpoint

@@ -11,6 +11,8 @@ import os
 import sys
 from dataclasses import dataclass
 
+from prefixcache.services.common.fork_handlers import turn_off_grpc_fork_handlers
+
 
 @dataclass(frozen=True)
 class Command:
@@ -48,9 +50,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # gRPC's fork handlers serve processes that fork and keep using gRPC in the child; ours only fork
-    # to exec a service (serve, bench), where the handlers just log that other threads use gRPC.
-    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    turn_off_grpc_fork_handlers()
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
     try:
