@@ -63,6 +63,13 @@ log = logging.getLogger(__name__)
 _tracer = trace.get_tracer(__name__)
 
 
+# Isolation keys are hashed into every request's first block and held per request: cap them well
+# above any sensible key (a 256-bit salt is 64 hex characters) so that one request cannot make the
+# server hash and hold megabytes.
+MAX_CACHE_SALT_BYTES = 1024
+MAX_TENANT_BYTES = 256
+
+
 class InvalidRequest(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
@@ -203,10 +210,15 @@ class EngineServicer(pb_grpc.EngineServicer):
         for index, stop in enumerate(request.sampling.stop):
             if not stop:
                 raise InvalidRequest(f"sampling.stop[{index}]", "must not be empty")
-        if request.HasField("cache_salt") and not request.cache_salt:
-            raise InvalidRequest("cache_salt", "must not be empty when set")
-        if request.HasField("tenant") and not request.tenant:
-            raise InvalidRequest("tenant", "must not be empty when set")
+        # Neither value is quoted back: a salt is a secret, and a tenant name is as good as one.
+        for name, limit in (("cache_salt", MAX_CACHE_SALT_BYTES), ("tenant", MAX_TENANT_BYTES)):
+            if not request.HasField(name):
+                continue
+            size = len(getattr(request, name).encode())
+            if size == 0:
+                raise InvalidRequest(name, "must not be empty when set")
+            if size > limit:
+                raise InvalidRequest(name, f"is {size} bytes long; at most {limit} are allowed")
 
     async def _prompt_ids(self, request: pb.GenerateRequest, tokenizer_id: str) -> list[int]:
         kind = request.WhichOneof("prompt")

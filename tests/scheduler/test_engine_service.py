@@ -16,7 +16,7 @@ from prefixcache.protos.engine.v1 import engine_pb2 as pb
 from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
 from prefixcache.services.common.engine_client import Completion, EngineClient, build_request
 from prefixcache.services.scheduler.engine_core import EngineCore, SchedulerConfig
-from prefixcache.services.scheduler.engine_service import EngineServicer
+from prefixcache.services.scheduler.engine_service import MAX_CACHE_SALT_BYTES, MAX_TENANT_BYTES, EngineServicer
 from prefixcache.services.scheduler.tokenizer_client import TokenizerClient
 from prefixcache.services.tokenizer.server import servicer as tokenizer_servicer
 from prefixcache.services.tokenizer.text import TextTokenizer
@@ -177,6 +177,27 @@ def test_errors_quote_a_long_value_only_in_part(tokenizer: TextTokenizer) -> Non
                 assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 details = refused.value.details()
                 assert details.startswith(f"{field}: ") and "(20000 characters)" in details and len(details) < 300
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+@pytest.mark.parametrize("field, limit", [("cache_salt", MAX_CACHE_SALT_BYTES), ("tenant", MAX_TENANT_BYTES)])
+def test_isolation_keys_are_capped_in_bytes_and_never_quoted(tokenizer: TextTokenizer, field: str, limit: int) -> None:
+    """An oversized salt or tenant is refused by name, without echoing the secret; the server goes on."""
+    within = "k" * (limit - 2) + "é"  # exactly `limit` bytes in UTF-8
+    beyond = within + "k"
+
+    async def main() -> None:
+        async with engine_api(tokenizer) as (target, _), EngineClient(target) as client:
+            for value in (beyond, ""):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await client.complete(build_request(token_ids=PROMPT, max_tokens=2, **{field: value}))
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                details = refused.value.details()
+                assert details.startswith(f"{field}: ") and "kkk" not in details
+            assert refused.value.details() == f"{field}: must not be empty when set"
+            accepted = await client.complete(build_request(token_ids=PROMPT, max_tokens=2, **{field: within}))
+            assert accepted.finish_reason == "length" and len(accepted.token_ids) == 2
 
     asyncio.run(asyncio.wait_for(main(), 60))
 
