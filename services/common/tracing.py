@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc import aio
@@ -30,6 +30,7 @@ from opentelemetry import propagate, trace
 
 from prefixcache.services.common.server_interceptors import behavior_of, rebuild_handler
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 _enabled = False
@@ -48,7 +49,7 @@ def configure_tracing(service_name: str) -> bool:
 
     provider = TracerProvider(resource=service_resource(service_name))
     for exporter in exporters:
-        provider.add_span_processor(BatchSpanProcessor(exporter))
+        provider.add_span_processor(_naming_bad_settings(_BATCH_PROCESSOR_SETTINGS, BatchSpanProcessor, exporter))
     trace.set_tracer_provider(provider)
     _enabled = True
     log.info("tracing on for %s", service_name)
@@ -108,7 +109,7 @@ def _configured_exporters() -> list[Any]:
                 raise ValueError(f"{variable}: {protocol!r} is not supported; the services export OTLP over gRPC "
                                  "(protocol grpc, usually port 4317)")
 
-            exporters.append(OTLPSpanExporter())
+            exporters.append(_naming_bad_settings(_OTLP_EXPORTER_SETTINGS, OTLPSpanExporter))
         elif name == "console":
             from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
@@ -116,6 +117,23 @@ def _configured_exporters() -> list[Any]:
         else:
             raise ValueError(f"OTEL_TRACES_EXPORTER: unsupported exporter {name!r} (otlp, console, none)")
     return exporters
+
+
+# Numeric settings whose bad values the SDK's constructors raise on, without naming the variable.
+_OTLP_EXPORTER_SETTINGS = ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT")
+_BATCH_PROCESSOR_SETTINGS = ("OTEL_BSP_SCHEDULE_DELAY", "OTEL_BSP_EXPORT_TIMEOUT", "OTEL_BSP_MAX_QUEUE_SIZE",
+                             "OTEL_BSP_MAX_EXPORT_BATCH_SIZE")
+
+
+def _naming_bad_settings(variables: tuple[str, ...], build: Callable[..., T], *args: Any) -> T:
+    """`build(*args)`, its ValueError re-raised naming whichever of `variables` are set, with their values."""
+    try:
+        return build(*args)
+    except ValueError as error:
+        named = ", ".join(f"{name}: {os.environ[name]!r}" for name in variables if name in os.environ)
+        if not named:
+            raise
+        raise ValueError(f"{named} is not valid ({error})") from None
 
 
 def tracer(name: str) -> trace.Tracer:

@@ -99,7 +99,9 @@ def test_stopping_with_an_unreachable_collector_is_bounded() -> None:
 
 
 @pytest.mark.parametrize(("variable", "value"), [("OTEL_TRACES_EXPORTER", "bogus"),
-                                                 ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")])
+                                                 ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+                                                 ("OTEL_EXPORTER_OTLP_TIMEOUT", "ten"),
+                                                 ("OTEL_BSP_MAX_QUEUE_SIZE", "-1")])
 def test_a_service_refuses_an_otel_setting_in_one_line_naming_it(variable: str, value: str) -> None:
     environment = {key: v for key, v in os.environ.items() if not key.startswith("OTEL_")}
     environment[variable] = value
