@@ -117,6 +117,22 @@ def test_manager_recalls_a_cached_prefix_instead_of_hashing_it():
     assert calls[-1] == (0, 9)  # a reset forgets the memo too
 
 
+def test_a_lookup_that_hashing_rejects_leaves_the_request_without_recalled_hashes():
+    m = KVCacheManager(32, HASHER)
+    system = list(range(100, 132))  # 8 blocks, remembered by the second lookup that finds them
+    for name in ("first", "second"):
+        request = KVRequest(name, system + [1] * 5)
+        hits, _ = m.get_computed_blocks(request)
+        m.allocate_slots(request, len(request.token_ids) - len(hits) * 4, hits)
+        m.free(name)
+    bad = KVRequest("bad", system + [1, 2, 3, -1, 5])  # the memo holds its first 8 blocks' hashes
+    with pytest.raises(ValueError, match="token ids"):
+        m.get_computed_blocks(bad)
+    assert bad.block_hashes == []
+    good = KVRequest("good", system + [1] * 5)
+    assert m.get_computed_blocks(good)[1].hit_blocks == 9
+
+
 def test_random_prompts_hash_alike_through_the_manager_and_the_hasher():
     rng = random.Random(7)
     hasher = BlockHasher(4, "xxhash", "test-model@1", seed=5)

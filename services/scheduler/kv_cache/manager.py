@@ -150,10 +150,15 @@ class KVCacheManager:
         # preemption, find what its first one did, or its own blocks).
         memo = self._hash_memo
         num_remembered = num_full
-        if memo is not None and not request.block_hashes:
+        num_known = len(request.block_hashes)
+        if memo is not None and not num_known:
             request.block_hashes.extend(memo.recall(request.token_ids, request.extras))
             num_remembered = len(request.block_hashes)
-        hashes = self._update_hashes(request)
+        try:
+            hashes = self._update_hashes(request)
+        except ValueError:  # bad token ids: the request leaves as it came, recalled hashes included
+            del request.block_hashes[num_known:]
+            raise
         cached = self._pool.cached
         found = list(map(cached.get, hashes)) if hashes[0] in cached else [None]
         try:
