@@ -92,6 +92,9 @@ class StepExecutor(Protocol):
 
 
 _RECOVERY_BACKOFF_S = (0.05, 2.0)  # first and longest wait between re-initialization attempts
+# Requests held for a new worker wait at most this long for the first try to answer: a worker that
+# accepts the call but hangs would otherwise hold them for the whole initialization timeout.
+HELD_REQUESTS_WAIT_S = 10.0
 _WORKER_LOST = "the worker was lost; retry the request"
 
 
@@ -112,6 +115,7 @@ class EngineCore:
         self._held: dict[str, EngineRequest] = {}
         self._held_counted: set[str] = set()  # held requests already in the prefix-cache counters
         self._resubmitted: set[str] = set()
+        self.held_requests_wait_s = HELD_REQUESTS_WAIT_S
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()  # set when no request is in flight
         self._idle.set()
@@ -360,8 +364,9 @@ class EngineCore:
     async def _recover(self, error: Exception) -> None:
         """The worker is gone: fail the requests that streamed tokens, drop the cache, bring a worker
         back. Requests that streamed nothing run again from the start only if a worker answers at
-        the first try (one restarted while the engine was idle, which only the next step finds out);
-        otherwise they end UNAVAILABLE too, rather than wait an unknown time for one."""
+        the first try, within `held_requests_wait_s` (one restarted while the engine was idle, which
+        only the next step finds out); otherwise they end UNAVAILABLE too, rather than wait an
+        unknown time for one."""
         self._serving = False
         assert self._scheduler is not None
         self._held_counted = {request.request_id for request in self._scheduler.requests.values() if request.kv.counted}
@@ -386,23 +391,36 @@ class EngineCore:
 
     async def _initialize_worker(self) -> WorkerInfo:
         """Initialize the worker's cache, retrying with backoff until it answers; the held requests
-        end UNAVAILABLE as soon as the first try fails."""
+        end UNAVAILABLE as soon as the first try fails, or once it has been out for
+        `held_requests_wait_s`."""
         delay, longest = _RECOVERY_BACKOFF_S
         while True:
+            attempt = asyncio.ensure_future(self._executor.initialize(self.config.block_size))
             try:
-                return await self._executor.initialize(self.config.block_size)
-            except Exception as retry_error:  # not back yet, or back but failing: keep trying
                 if self._held:
-                    log.warning("worker not back at once; failing the %d held requests", len(self._held))
-                    held, self._held = self._held, {}
-                    for request_id in held:
-                        self._fail_stream(request_id, _WORKER_LOST)
+                    await asyncio.wait({attempt}, timeout=self.held_requests_wait_s)
+                    if not attempt.done():
+                        self._fail_held(f"no answer within {self.held_requests_wait_s:.0f}s")
+                return await attempt
+            except Exception as retry_error:  # not back yet, or back but failing: keep trying
+                self._fail_held("it failed")
                 # Unreachable is expected while it restarts; a worker that answers and refuses (its
                 # KV budget holds no block) needs someone to change its settings.
                 level = logging.INFO if isinstance(retry_error, WorkerUnavailable) else logging.ERROR
                 log.log(level, "worker not back yet (%s); retrying in %.2fs", retry_error, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, longest)
+            finally:
+                attempt.cancel()  # a no-op once it finished; stops a try still out when we are cancelled
+
+    def _fail_held(self, why: str) -> None:
+        """End the requests held for a new worker, whose first try to come back did not answer."""
+        if not self._held:
+            return
+        log.warning("first try to bring the worker back: %s; failing the %d held requests", why, len(self._held))
+        held, self._held = self._held, {}
+        for request_id in held:
+            self._fail_stream(request_id, _WORKER_LOST)
 
     def _resubmit_held(self) -> None:
         """Queue the held requests on the new worker's scheduler (failing any the new worker cannot

@@ -3,6 +3,7 @@ bad input, shutdown. The simulated worker checks every step's diff and the KV ev
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -283,6 +284,28 @@ def test_a_request_that_brings_the_worker_down_again_is_resubmitted_only_once():
         assert tokens_of(outputs) == reference_generation(list(range(30, 50)), 6, VOCAB)
 
     run(body, PoisonedWorker(num_kv_blocks=64, vocab_size=VOCAB))
+
+
+def test_a_held_request_ends_unavailable_when_the_first_try_hangs():
+    prompt = list(range(100, 140))
+
+    async def body(engine, worker):
+        engine.held_requests_wait_s = 0.2
+        worker.fail_next_step()
+        worker.initialize_gate = asyncio.Event()  # the new worker accepts the call and does not answer
+        started = time.monotonic()
+        with pytest.raises(EngineUnavailable, match="worker was lost"):
+            await collect(engine.add_request(request("held", prompt)))
+        assert 0.2 <= time.monotonic() - started < 5
+        assert engine.num_waiting == 0 and not engine.is_serving
+        worker.initialize_gate.set()  # the same try answers at last: no second one was needed
+        while not engine.is_serving:
+            await asyncio.sleep(0.01)
+        assert worker.initializations == 2
+        outputs = await collect(engine.add_request(request("after", prompt)))
+        assert tokens_of(outputs) == reference_generation(prompt, 6, VOCAB)
+
+    run(body)
 
 
 @pytest.mark.parametrize("ended_by", ["client", "shutdown"])
