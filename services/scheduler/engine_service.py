@@ -218,7 +218,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             if size == 0:
                 raise InvalidRequest(name, "must not be empty when set")
             if size > limit:
-                raise InvalidRequest(name, f"is {size} bytes long; at most {limit} are allowed")
+                raise InvalidRequest(name, f"{size} bytes, more than the {limit} allowed")
 
     async def _prompt_ids(self, request: pb.GenerateRequest, tokenizer_id: str) -> list[int]:
         kind = request.WhichOneof("prompt")
