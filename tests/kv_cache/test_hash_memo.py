@@ -91,6 +91,17 @@ def test_two_generations_keep_what_is_in_use_and_drop_the_rest():
     assert len(memo) <= 2 * memo.capacity
 
 
+def test_a_prefix_longer_than_a_generation_is_recalled_whole():
+    memo = BlockHashMemo(4, capacity=4)
+    prompt = list(range(24))  # 6 blocks: remembering them turns the generations over once
+    hashes = HASHER.hash_blocks(prompt)
+    memo.remember(prompt, NO_EXTRAS, hashes, 0, 6)
+    # Blocks 0-3 sit in the older generation; keeping them in use turns it over again, which must
+    # not cut the walk short.
+    assert memo.recall(prompt) == hashes
+    assert memo.recall(prompt) == hashes
+
+
 def test_manager_recalls_a_cached_prefix_instead_of_hashing_it():
     calls = []
 

@@ -58,12 +58,22 @@ class BlockHashMemo:
     def recall(self, token_ids: Sequence[int], extras: BlockExtras = NO_EXTRAS) -> list[BlockHash]:
         """The remembered hashes of the leading full blocks of `token_ids`: blocks 0, 1, … up to
         the first one not remembered (an empty list when block 0 is not)."""
-        block_size = self.block_size
-        num_blocks = len(token_ids) // block_size
+        num_blocks = len(token_ids) // self.block_size
         if not num_blocks or extras.varies_per_block:
             return []
-        first_extra = _first_extra_digest(extras, block_size)
+        hashes, in_use = self._walk(token_ids, num_blocks, _first_extra_digest(extras, self.block_size))
+        # In steady use: keep them in the newer generation. Only after the walk, so that a turnover
+        # this causes cannot drop an entry the walk had still to find.
+        for key, block_hash in in_use:
+            self._store(key, block_hash)
+        return hashes
+
+    def _walk(self, token_ids: Sequence[int], num_blocks: int,
+              first_extra: bytes) -> tuple[list[BlockHash], list[tuple[_Key, BlockHash]]]:
+        """The remembered leading hashes, and the entries among them found in the older generation."""
+        block_size = self.block_size
         hashes: list[BlockHash] = []
+        in_use: list[tuple[_Key, BlockHash]] = []
         found: BlockHash | None = None
         # Token ids are turned into words a window at a time, doubling, so that a prompt whose
         # first blocks are not remembered costs little more than its first block.
@@ -81,12 +91,11 @@ class BlockHashMemo:
                 if found is None:
                     found = self._older.get(key)
                     if found is None:
-                        return hashes
-                    self._store(key, found)  # in steady use: keep it in the newer generation
-                    newer = self._newer
+                        return hashes, in_use
+                    in_use.append((key, found))
                 hashes.append(found)
             start, window = stop, 2 * window
-        return hashes
+        return hashes, in_use
 
     def remember(self, token_ids: Sequence[int], extras: BlockExtras, hashes: Sequence[BlockHash],
                  start: int, stop: int) -> None:
