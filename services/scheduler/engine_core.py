@@ -369,15 +369,10 @@ class EngineCore:
         unknown time for one."""
         self._serving = False
         assert self._scheduler is not None
-        counted_hits = {request.request_id: request.cache_account.hit_tokens if request.cache_account else 0
-                        for request in self._scheduler.requests.values() if request.kv.counted}
+        self._held_counted = {request.request_id for request in self._scheduler.requests.values() if request.kv.counted}
         self._held = {request_id: engine_request for request_id, engine_request in self._scheduler.drop_all()
                       if request_id in self._streams and engine_request is not None
                       and request_id not in self._resubmitted}
-        # A held request's prompt stays counted once; its hits went with the worker, and its lookup
-        # on the new one counts instead (the hit rate then agrees with the usage clients are sent).
-        self._held_counted = set(counted_hits).intersection(self._held)
-        self._scheduler.counters.hit_tokens -= sum(counted_hits[request_id] for request_id in self._held_counted)
         failed = [request_id for request_id in self._streams if request_id not in self._held]
         log.warning("worker lost (%s); failing %d requests, holding %d that streamed nothing yet, "
                     "re-initializing", error, len(failed), len(self._held))

@@ -101,8 +101,7 @@ class Scheduler:
 
     def add_request(self, request: EngineRequest, counted: bool = False) -> Request:
         """Queue a request. `counted`: its prompt is already in the prefix-cache counters (a request
-        submitted again after a worker loss, once admitted before it); its hits are not, and count
-        at its first admission here."""
+        submitted again after a worker loss, once admitted before it)."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
         state = Request.from_engine_request(request)
@@ -177,14 +176,11 @@ class Scheduler:
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.kv.num_computed_tokens = num_hit_tokens
-            first_lookup = request.cache_account is None  # not a re-admission after preemption
-            if first_lookup:
+            if request.cache_account is None:
                 request.cache_account = account
-            if account.miss_reason != "disabled":
-                if not counted:
-                    self.counters.queried_tokens += account.queried_tokens
-                if first_lookup:  # (`counted` but first: resubmitted after a worker loss, see EngineCore)
-                    self.counters.hit_tokens += num_hit_tokens
+            if not counted and account.miss_reason != "disabled":
+                self.counters.queried_tokens += account.queried_tokens
+                self.counters.hit_tokens += num_hit_tokens
             self.counters.admissions += 1
             step.new_requests.append(
                 NewRequestData(

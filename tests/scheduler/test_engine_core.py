@@ -233,8 +233,7 @@ def test_a_request_that_streamed_nothing_survives_a_worker_that_is_back_at_once(
 
     async def body(engine, worker):
         await collect(engine.add_request(request("warm", prompt)))
-        # The worker restarted while the engine was idle: only the next request's step finds out,
-        # after "next" was admitted with a hit on the prefix "warm" left (on the lost worker).
+        # The worker restarted while the engine was idle: only the next request's step finds out.
         worker.fail_next_step(down_for=0)
         outputs = await collect(engine.add_request(request("next", prompt)))
         assert worker.initializations == 2  # at start, and again after the loss
@@ -244,8 +243,6 @@ def test_a_request_that_streamed_nothing_survives_a_worker_that_is_back_at_once(
         assert 'prefixcache_requests_finished_total{finish_reason="error"} 0.0' in engine.metrics.exposition().decode()
         # Each prompt counted once: "next" was admitted before the loss, and not counted again after.
         assert engine.cache_stats().queries == 2 * len(prompt)
-        # Its hit went with the worker: the hit counter agrees with the usage it was sent.
-        assert engine.cache_stats().hits == 0
 
     run(body)
 
