@@ -4,62 +4,19 @@ step in no time, so the engine runs far ahead of the detokenizing that each outp
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
-from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 from grpc import aio
 
 from prefixcache.protos.engine.v1 import engine_pb2 as pb
-from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
 from prefixcache.services.common.engine_client import Completion, EngineClient, build_request
-from prefixcache.services.scheduler.engine_core import EngineCore, SchedulerConfig
-from prefixcache.services.scheduler.engine_service import MAX_CACHE_SALT_BYTES, MAX_TENANT_BYTES, EngineServicer
-from prefixcache.services.scheduler.tokenizer_client import TokenizerClient
-from prefixcache.services.tokenizer.server import servicer as tokenizer_servicer
+from prefixcache.services.scheduler.engine_service import MAX_CACHE_SALT_BYTES, MAX_TENANT_BYTES
 from prefixcache.services.tokenizer.text import TextTokenizer
 
-from sim_worker import SimulatedWorker, reference_generation
-
-PROMPT = list(range(300, 311))
-SPECIAL_IDS = tuple(range(17))  # SmolLM2's special tokens: never generated, so all text shows
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> TextTokenizer:
-    from prefixcache.services.common.model_store import ensure_default_model
-
-    return TextTokenizer(ensure_default_model())
-
-
-@contextlib.asynccontextmanager
-async def engine_api(tokenizer: TextTokenizer, num_kv_blocks: int = 256, max_model_len: int = 4096,
-                     worker_tokenizer_id: str = "", tokenizer_target: str | None = None,
-                     worker_vocab_size: int | None = None) -> AsyncIterator[tuple[str, EngineCore]]:
-    """(Engine API address, its EngineCore): a tokenizer server and an Engine server on loopback.
-    `tokenizer_target` points the engine at another tokenizer address instead."""
-    tokenizer_server, engine_server = aio.server(), aio.server()
-    tokenizer_servicer(tokenizer).add_to_server(tokenizer_server)
-    tokenizer_port = tokenizer_server.add_insecure_port("127.0.0.1:0")
-    await tokenizer_server.start()
-    worker = SimulatedWorker(num_kv_blocks=num_kv_blocks, vocab_size=worker_vocab_size or tokenizer.vocab_size,
-                             eos_token_ids=SPECIAL_IDS, max_model_len=max_model_len, tokenizer_id=worker_tokenizer_id)
-    engine = EngineCore(SchedulerConfig(block_size=4, max_num_batched_tokens=64, max_model_len=max_model_len), worker)
-    await engine.start()
-    tokenizer_client = TokenizerClient(tokenizer_target or f"127.0.0.1:{tokenizer_port}")
-    pb_grpc.add_EngineServicer_to_server(EngineServicer(engine, tokenizer_client), engine_server)
-    engine_port = engine_server.add_insecure_port("127.0.0.1:0")
-    await engine_server.start()
-    try:
-        yield f"127.0.0.1:{engine_port}", engine
-        assert engine.cache_stats().used_blocks == 0, "blocks leaked"
-    finally:
-        await engine_server.stop(0)
-        await engine.shutdown(grace_s=1.0)
-        await tokenizer_client.close()
-        await tokenizer_server.stop(0)
+from engine_harness import PROMPT, SPECIAL_IDS, engine_api
+from sim_worker import reference_generation
 
 
 def stop_string_at(tokenizer: TextTokenizer, generated: list[int], first: int) -> tuple[int, str]:

@@ -1,0 +1,13 @@
+"""Fixtures of the scheduler tests: the embedded model's real tokenizer, loaded once per module."""
+from __future__ import annotations
+
+import pytest
+
+from prefixcache.services.tokenizer.text import TextTokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> TextTokenizer:
+    from prefixcache.services.common.model_store import ensure_default_model
+
+    return TextTokenizer(ensure_default_model())
