@@ -16,6 +16,8 @@ from prefixcache.protos.common.v1 import chat_pb2
 from prefixcache.protos.engine.v1 import engine_pb2 as pb
 from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
 from prefixcache.services.common.engine_client import EngineClient, build_request
+from prefixcache.services.common.model_store import ensure_default_model
+from prefixcache.services.scheduler.engine_core import StepExecutor
 from prefixcache.services.tokenizer.text import TextTokenizer
 
 from engine_harness import PROMPT, engine_api
@@ -116,8 +118,12 @@ FAULTS = (_bad_prompt, _bad_sampling, _bad_stop, _bad_isolation, _bad_extras)
 
 async def call(stub: pb_grpc.EngineStub, request: pb.GenerateRequest,
                cancel_after: int | None) -> tuple[grpc.StatusCode, str, list[pb.GenerateResponse]]:
-    """Run one Generate; with `cancel_after`, the client cancels once it has that many messages."""
+    """Run one Generate; with `cancel_after`, the client cancels once it has that many messages
+    (0: at once, whatever the server has done with the call by then)."""
     stream = stub.Generate(request)
+    if cancel_after == 0:
+        stream.cancel()
+        return grpc.StatusCode.CANCELLED, "", []
     responses: list[pb.GenerateResponse] = []
     try:
         async for response in stream:
@@ -135,32 +141,48 @@ async def call(stub: pb_grpc.EngineStub, request: pb.GenerateRequest,
 @pytest.mark.parametrize("seed", range(3))
 def test_random_requests_end_well_or_name_a_field_and_leave_the_engine_serving(tokenizer: TextTokenizer,
                                                                                seed: int) -> None:
-    rng = random.Random(seed)
+    asyncio.run(asyncio.wait_for(random_rounds(tokenizer, random.Random(seed), rounds=12), 120))
 
-    async def main() -> None:
-        async with engine_api(tokenizer) as (target, engine):
-            async with aio.insecure_channel(target) as channel:
-                stub = pb_grpc.EngineStub(channel)
-                outcomes = []
-                for _ in range(12):  # rounds of calls running at once
-                    batch = [random_request(rng, tokenizer.vocab_size) for _ in range(rng.randint(1, 10))]
-                    cancels = [rng.choice([None, None, None, 1, 2]) for _ in batch]
-                    results = await asyncio.gather(*(call(stub, r, c) for r, c in zip(batch, cancels)))
-                    outcomes.extend(zip(batch, cancels, results))
-            check(outcomes)
-            # A cancelled call's clean-up on the server may still be under way: give it a moment.
-            for _ in range(500):
-                if engine.num_running == engine.num_waiting == 0:
-                    break
-                await asyncio.sleep(0.01)
-            assert engine.num_running == engine.num_waiting == 0
-            completed = [responses[-1] for _, _, (code, _, responses) in outcomes if code == grpc.StatusCode.OK]
-            assert engine.cache_stats().hits >= sum(final.usage.cached_tokens for final in completed)
-            async with EngineClient(target) as client:  # still serving
-                done = await client.complete(build_request(token_ids=PROMPT, max_tokens=3))
-            assert done.finish_reason == "length" and len(done.token_ids) == 3
 
-    asyncio.run(asyncio.wait_for(main(), 120))
+def test_random_requests_on_the_embedded_model(tokenizer: TextTokenizer) -> None:
+    """The same on the real model, whose sampler sees every sampling option the faults left valid."""
+    from prefixcache.services.scheduler.local_executor import LocalExecutor
+    from prefixcache.services.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(ensure_default_model(), dtype="float32")
+    executor = LocalExecutor(runner, num_kv_blocks=512)
+    rounds = random_rounds(tokenizer, random.Random(100), rounds=3, executor=executor, default_max_tokens=6)
+    asyncio.run(asyncio.wait_for(rounds, 600))
+
+
+async def random_rounds(tokenizer: TextTokenizer, rng: random.Random, rounds: int,
+                        executor: StepExecutor | None = None, default_max_tokens: int | None = None) -> None:
+    """Rounds of random calls at once; `default_max_tokens` caps the requests that set none (on a
+    real model, those run to the end of the KV cache)."""
+    async with engine_api(tokenizer, executor=executor) as (target, engine):
+        async with aio.insecure_channel(target) as channel:
+            stub = pb_grpc.EngineStub(channel)
+            outcomes = []
+            for _ in range(rounds):  # rounds of calls running at once
+                batch = [random_request(rng, tokenizer.vocab_size) for _ in range(rng.randint(1, 10))]
+                for request in batch:
+                    if default_max_tokens is not None and not request.sampling.HasField("max_tokens"):
+                        request.sampling.max_tokens = default_max_tokens
+                cancels = [rng.choice([None, None, None, 0, 2]) for _ in batch]
+                results = await asyncio.gather(*(call(stub, r, c) for r, c in zip(batch, cancels)))
+                outcomes.extend(zip(batch, cancels, results))
+        check(outcomes)
+        # A cancelled call's clean-up on the server may still be under way: give it a moment.
+        for _ in range(500):
+            if engine.num_running == engine.num_waiting == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.num_running == engine.num_waiting == 0
+        completed = [responses[-1] for _, _, (code, _, responses) in outcomes if code == grpc.StatusCode.OK]
+        assert engine.cache_stats().hits >= sum(final.usage.cached_tokens for final in completed)
+        async with EngineClient(target) as client:  # still serving
+            done = await client.complete(build_request(token_ids=PROMPT, max_tokens=3))
+        assert done.finish_reason == "length" and len(done.token_ids) == 3
 
 
 def check(outcomes: list) -> None:
