@@ -12,13 +12,18 @@ Run by hand (minutes on two cores), from the repository root:
 
     .venv/bin/python benchmarks/vs_transformers.py --num-requests 16 --json vs_transformers.json
 
-Without --target it starts local platforms itself, as `prefixcache bench` does. Both sides run the
-weights in float32 by default (the dtype the local platform reports is printed next to the table).
+Without --target it starts local platforms itself, as `prefixcache bench` does, both at once. Each
+workload runs through the three systems back to back, the order rotating from one workload to the
+next, so that a drift in this VM's speed lands on every side (run one after the other, `unique` with
+and without the cache once differed by 12% where three interleaved pairs gave 1.14x, 1.00x and
+1.01x). Both sides run the weights in float32 by default (the dtype the local platform reports is
+printed next to the table).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 from collections.abc import Callable
@@ -29,11 +34,21 @@ from prefixcache.services.common.fork_handlers import turn_off_grpc_fork_handler
 
 turn_off_grpc_fork_handlers()  # before grpc is imported: this process starts local services
 
-from prefixcache.services.bench.driver import TenantSalts, drive
+from prefixcache.services.bench.engine import EngineEndpoint
 from prefixcache.services.bench.local_platform import LocalSettings
-from prefixcache.services.bench.metrics import RequestRecord, RunSummary, ratio, summarize
-from prefixcache.services.bench.report import CACHE, NO_CACHE, ProgressBar, render_systems
-from prefixcache.services.bench.session import BenchConfig, run_session
+from prefixcache.services.bench.metrics import RequestRecord, RunSummary, ratio
+from prefixcache.services.bench.report import CACHE, NO_CACHE, WorkloadResult, render_systems
+from prefixcache.services.bench.session import (
+    BenchConfig,
+    BenchOutcome,
+    ComparedSystem,
+    check_comparable,
+    check_mode,
+    engine_target,
+    plan_workloads,
+    run_interleaved,
+    warm_up,
+)
 from prefixcache.services.bench.workloads import BenchRequest, IntRange, WorkloadOptions
 from prefixcache.services.cli.bench import int_range_argument
 from prefixcache.services.common.model_store import ensure_default_model
@@ -90,17 +105,34 @@ class TransformersEndpoint:
         return record
 
 
-async def run_transformers(requests: dict[str, list[BenchRequest]], dtype: str) -> dict[str, RunSummary]:
-    endpoint = TransformersEndpoint(ensure_default_model(), dtype)
-    first = next(iter(requests.values()))[0]
-    await endpoint.stream(replace(first, request_id="warmup", max_tokens=2), "", lambda: 0.0)  # first-call costs
-    summaries = {}
-    for name, batch in requests.items():
-        bar = ProgressBar(f"{name} ({TRANSFORMERS})", len(batch))
-        run = await drive(endpoint, batch, concurrency=1, salts=TenantSalts(1), on_done=bar.advance)
-        bar.close()
-        summaries[name] = summarize(run.records)
-    return summaries
+async def run_all(config: BenchConfig, dtype: str) -> tuple[dict[str, object], dict[str, dict[str, RunSummary]]]:
+    """Our engine with the cache and without it, and transformers, all up at once; each workload runs
+    through the three back to back (`run_interleaved`), the same requests on each. Returns the run's
+    description and the summaries by system, then workload."""
+    async with contextlib.AsyncExitStack() as stack:
+        targets = {}
+        for mode in (CACHE, NO_CACHE):
+            targets[mode] = await stack.enter_async_context(engine_target(config, mode))
+        engines = {mode: await stack.enter_async_context(EngineEndpoint(target, config.request_timeout_s))
+                   for mode, (target, _) in targets.items()}
+        facts = {mode: check_mode(mode, await engine.describe(), targets[mode][0]) for mode, engine in engines.items()}
+        check_comparable(facts[CACHE], facts[NO_CACHE], targets[NO_CACHE][0])
+        outcome = BenchOutcome({name: WorkloadResult() for name in config.workloads})
+        plan_workloads(config, facts[CACHE], outcome, note=_note)
+        transformers = TransformersEndpoint(ensure_default_model(), dtype)
+        first = next(iter(outcome.requests.values()))[0]
+        await transformers.stream(replace(first, request_id="warmup", max_tokens=2), "", lambda: 0.0)  # first-call costs
+        for engine in engines.values():
+            await warm_up(engine, outcome.options, config.warmup_requests)
+        systems = [ComparedSystem(OURS[mode], engines[mode], config.concurrency,
+                                  engines[mode] if targets[mode][1] else None) for mode in (CACHE, NO_CACHE)]
+        systems.append(ComparedSystem(TRANSFORMERS, transformers, concurrency=1))
+        summaries = await run_interleaved(outcome.requests, systems, outcome.options.tenants, note=_note)
+    return outcome.description, summaries
+
+
+def _note(text: str) -> None:
+    print(f"note: {text}", file=sys.stderr)
 
 
 def check_targets(summaries: dict[str, dict[str, RunSummary]]) -> list[tuple[str, float | None, float, bool]]:
@@ -141,11 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     config = BenchConfig(workloads=WORKLOADS, options=options, concurrency=args.concurrency, target=args.target,
                          no_cache_target=args.no_cache_target, compare_no_cache=True,
                          local=LocalSettings(dtype=args.dtype, kv_cache_memory=args.kv_cache_memory))
-    outcome = asyncio.run(run_session(config))
-    summaries = {OURS[mode]: {name: r.summaries[mode] for name, r in outcome.results.items()} for mode in (CACHE, NO_CACHE)}
-    summaries[TRANSFORMERS] = asyncio.run(run_transformers(outcome.requests, args.dtype))
+    description, summaries = asyncio.run(run_all(config, args.dtype))
 
-    print(f"engine: {outcome.description.get('engine')}; transformers dtype {args.dtype}")
+    print(f"engine: {description.get('engine')}; transformers dtype {args.dtype}")
     print(render_systems(summaries, baseline=TRANSFORMERS))
     checks = check_targets(summaries)
     for label, measured, required, met in checks:
@@ -153,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'MET ' if met else 'MISS'}  {label}: {shown} (target >= {required:.2f}x)")
     if args.json:
         document = {
-            "config": outcome.description,
+            "config": description,
             "systems": {s: {w: summary.to_json() for w, summary in per.items()} for s, per in summaries.items()},
             "targets": [{"target": l, "measured": m, "required": r, "met": ok} for l, m, r, ok in checks],
         }

@@ -44,12 +44,19 @@ from prefixcache.services.common.fork_handlers import turn_off_grpc_fork_handler
 
 turn_off_grpc_fork_handlers()  # before grpc is imported: this process starts local services
 
-from prefixcache.services.bench.driver import StreamingEndpoint, TenantSalts, drive
 from prefixcache.services.bench.engine import EngineEndpoint
 from prefixcache.services.bench.local_platform import LocalSettings, local_platform
-from prefixcache.services.bench.metrics import RequestRecord, RunSummary, summarize
-from prefixcache.services.bench.report import ProgressBar, WorkloadResult, render_systems
-from prefixcache.services.bench.session import BenchConfig, BenchOutcome, parse_workloads, plan_workloads, warm_up
+from prefixcache.services.bench.metrics import RequestRecord, RunSummary
+from prefixcache.services.bench.report import WorkloadResult, render_systems
+from prefixcache.services.bench.session import (
+    BenchConfig,
+    BenchOutcome,
+    ComparedSystem,
+    parse_workloads,
+    plan_workloads,
+    run_interleaved,
+    warm_up,
+)
 from prefixcache.services.bench.workloads import BenchRequest, IntRange, WorkloadOptions
 from prefixcache.services.cli.bench import int_range_argument
 from prefixcache.services.cli.launcher import free_port
@@ -164,31 +171,21 @@ class VllmEndpoint:
         return record
 
 
-async def run_interleaved(config: BenchConfig, our_target: str, theirs: VllmEndpoint
-                          ) -> tuple[dict[str, object], dict[str, dict[str, RunSummary]]]:
-    """Each workload through both systems back to back, the order alternating from one workload to the
-    next, so that a drift in this machine's speed lands on both sides rather than on whichever ran last.
-
-    Returns the run's description and the summaries by system, then workload."""
-    summaries: dict[str, dict[str, RunSummary]] = {"vllm": {}, "prefixcache": {}}
+async def run_both(config: BenchConfig, our_target: str, theirs: VllmEndpoint
+                   ) -> tuple[dict[str, object], dict[str, dict[str, RunSummary]]]:
+    """Plan the workloads on our engine, warm both systems up, then run each workload through both
+    back to back (`run_interleaved`). Returns the run's description and the summaries by system,
+    then workload."""
     async with EngineEndpoint(our_target, config.request_timeout_s) as ours:
         outcome = BenchOutcome({name: WorkloadResult() for name in config.workloads})
         plan_workloads(config, await ours.describe(), outcome, note=_note)
         for endpoint in (ours, theirs):
             await warm_up(endpoint, outcome.options, config.warmup_requests)
-        systems: list[tuple[str, StreamingEndpoint]] = [("prefixcache", ours), ("vllm", theirs)]
-        for name, batch in outcome.requests.items():
-            for system, endpoint in systems:
-                # Our own platform starts each workload empty; a --target engine is someone's to keep
-                # (fresh salts already keep one workload from reusing another's blocks).
-                if endpoint is ours and config.target is None and not await ours.reset_prefix_cache():
-                    _note(f"our engine refused to reset its prefix cache before {name}")
-                bar = ProgressBar(f"{name} ({system})", len(batch))
-                run = await drive(endpoint, batch, config.concurrency, TenantSalts(outcome.options.tenants),
-                                  on_done=bar.advance)
-                bar.close()
-                summaries[system][name] = summarize(run.records, run.evictions if endpoint is ours else None)
-            systems.reverse()
+        # Our own platform starts each workload empty; a --target engine is someone's to keep (fresh
+        # salts already keep one workload from reusing another's blocks).
+        systems = [ComparedSystem("prefixcache", ours, config.concurrency, None if config.target else ours),
+                   ComparedSystem("vllm", theirs, config.concurrency)]
+        summaries = await run_interleaved(outcome.requests, systems, outcome.options.tenants, note=_note)
     return outcome.description, summaries
 
 
@@ -262,11 +259,11 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _run_both(config: BenchConfig, local: LocalSettings, server: VllmServer
                     ) -> tuple[dict[str, object], dict[str, dict[str, RunSummary]]]:
-    """Both systems up at once (vLLM starting while our platform does), then `run_interleaved`."""
+    """Both systems up at once (vLLM starting while our platform does), then `run_both`."""
     async with contextlib.AsyncExitStack() as stack:
         target = config.target or await stack.enter_async_context(local_platform(local, prefix_caching=True))
         await asyncio.to_thread(server.wait_ready)
-        return await run_interleaved(config, target, VllmEndpoint(server.port))
+        return await run_both(config, target, VllmEndpoint(server.port))
 
 
 if __name__ == "__main__":

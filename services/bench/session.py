@@ -1,5 +1,7 @@
 """One benchmark session: for each mode (with the cache, then without), reach an engine, warm it up,
-and run every workload on it with the same requests."""
+and run every workload on it with the same requests. Comparisons between systems that are all up at
+once (the benchmarks against vLLM and transformers) run each workload through every system back to
+back instead (`run_interleaved`)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,7 +13,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from prefixcache.services.bench.driver import StreamingEndpoint, TenantSalts, drive
 from prefixcache.services.bench.engine import EngineEndpoint, EngineFacts
 from prefixcache.services.bench.local_platform import LocalSettings, local_platform
-from prefixcache.services.bench.metrics import summarize
+from prefixcache.services.bench.metrics import RunSummary, summarize
 from prefixcache.services.bench.report import CACHE, NO_CACHE, ProgressBar, WorkloadResult
 from prefixcache.services.bench.workloads import BenchRequest, WorkloadOptions, check_few_shot, generate
 
@@ -125,7 +127,7 @@ def check_comparable(first: EngineFacts, other: EngineFacts, target: str) -> Non
 
 
 @contextlib.asynccontextmanager
-async def _engine_target(config: BenchConfig, mode: str) -> AsyncIterator[tuple[str, bool]]:
+async def engine_target(config: BenchConfig, mode: str) -> AsyncIterator[tuple[str, bool]]:
     """(target, whether the benchmark owns it) for `mode`."""
     if mode == NO_CACHE and config.no_cache_target:
         yield config.no_cache_target, False
@@ -162,7 +164,7 @@ async def run_session(config: BenchConfig, note: Callable[[str], None] = _to_std
                              config.no_cache_target)
     first: EngineFacts | None = None
     for mode in config.modes:
-        async with _engine_target(config, mode) as (target, owned):
+        async with engine_target(config, mode) as (target, owned):
             async with EngineEndpoint(target, config.request_timeout_s) as endpoint:
                 facts = check_mode(mode, await endpoint.describe(), target)
                 if first is None:  # the first mode plans; every mode sends the very same requests
@@ -249,3 +251,33 @@ def parse_workloads(names: Sequence[str], known: Sequence[str]) -> tuple[str, ..
         if name not in known:
             raise ValueError(f"--workload must name one of {', '.join(known)}, got {name!r}")
     return tuple(dict.fromkeys(chosen))
+
+
+@dataclass(frozen=True)
+class ComparedSystem:
+    """One side of an interleaved comparison."""
+
+    name: str
+    endpoint: StreamingEndpoint
+    concurrency: int
+    owned_engine: EngineEndpoint | None = None  # a prefixcache engine this run started: emptied per workload
+
+
+async def run_interleaved(requests: dict[str, list[BenchRequest]], systems: Sequence[ComparedSystem], tenants: int,
+                          note: Callable[[str], None] = _to_stderr) -> dict[str, dict[str, RunSummary]]:
+    """Each workload through every system back to back, the order rotating from one workload to the
+    next, so that a drift in the machine's speed lands on every side rather than on whichever ran
+    last. Returns the summaries by system, then workload."""
+    summaries: dict[str, dict[str, RunSummary]] = {system.name: {} for system in systems}
+    order = list(systems)
+    for name, batch in requests.items():
+        for system in order:
+            if system.owned_engine is not None and not await system.owned_engine.reset_prefix_cache():
+                note(f"{system.name} refused to reset its prefix cache before {name}")
+            bar = ProgressBar(f"{name} ({system.name})", len(batch))
+            run = await drive(system.endpoint, batch, system.concurrency, TenantSalts(tenants), on_done=bar.advance)
+            bar.close()
+            evictions = run.evictions if isinstance(system.endpoint, EngineEndpoint) else None
+            summaries[system.name][name] = summarize(run.records, evictions)
+        order = order[1:] + order[:1]
+    return summaries

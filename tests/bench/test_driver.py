@@ -4,6 +4,7 @@ A real engine cannot show how many streams a client keeps open or in which order
 turns arrive, so this in-process Engine records both; the e2e test runs against the real platform.
 """
 import asyncio
+import contextlib
 import importlib.util
 import json
 import signal
@@ -21,7 +22,7 @@ from prefixcache.protos.engine.v1 import engine_pb2, engine_pb2_grpc
 from prefixcache.services.bench.driver import TenantSalts, drive
 from prefixcache.services.bench.engine import EngineEndpoint
 from prefixcache.services.bench.metrics import summarize
-from prefixcache.services.bench.session import BenchConfig, BenchOutcome, run_session
+from prefixcache.services.bench.session import BenchConfig, BenchOutcome, ComparedSystem, run_interleaved, run_session
 from prefixcache.services.bench.workloads import IntRange, WorkloadOptions, generate
 from prefixcache.services.cli import main as cli
 
@@ -83,16 +84,25 @@ class RecordingEngine(engine_pb2_grpc.EngineServicer):
                                             block_size=BLOCK, num_kv_blocks=40, prefix_caching_enabled=True)
 
 
-@pytest.fixture
-def engine_server():
-    """(servicer, target) served on a free loopback port by a threaded gRPC server."""
-    servicer = RecordingEngine()
+@contextlib.contextmanager
+def serving(servicer: RecordingEngine):
+    """`servicer`'s target, served on a free loopback port by a threaded gRPC server."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
     engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    yield servicer, f"127.0.0.1:{port}"
-    server.stop(0)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(0)
+
+
+@pytest.fixture
+def engine_server():
+    """(servicer, target) of a RecordingEngine on loopback."""
+    servicer = RecordingEngine()
+    with serving(servicer) as target:
+        yield servicer, target
 
 
 OPTIONS = WorkloadOptions(num_requests=24, prefix_len=64, suffix_len=IntRange(4, 30), output_len=4,
@@ -147,6 +157,47 @@ def test_a_refused_cache_reset_is_reported(engine_server):
     asyncio.run(run_session(config, note=notes.append))
     assert [note.split(":")[1].split("(")[0].strip() for note in notes] == ["unique", "few-shot"]
     assert all("refused to reset its prefix cache" in note for note in notes)
+
+
+class TimelineEngine(RecordingEngine):
+    """A RecordingEngine that also notes each request it starts on a timeline shared with others."""
+
+    def __init__(self, name: str, timeline: list[tuple[str, str]]):
+        super().__init__()
+        self.name, self.timeline = name, timeline
+
+    def Generate(self, request, context):
+        self.timeline.append((self.name, request.request_id.split("-", 2)[2]))
+        yield from super().Generate(request, context)
+
+
+def test_interleaved_systems_take_turns_going_first():
+    """Each workload runs through every system before the next one starts, the system that goes first
+    rotating; each system keeps its own concurrency; an owned engine is reset before each workload,
+    and a refusal is noted."""
+    timeline: list[tuple[str, str]] = []
+    servicers = [TimelineEngine("first", timeline), TimelineEngine("second", timeline)]
+    servicers[0].refuse_reset = True
+    workloads = ("unique", "few-shot", "shared-system-prompt")
+    requests = {name: generate(name, replace(OPTIONS, num_requests=3)) for name in workloads}
+    notes: list[str] = []
+
+    async def main(first_target: str, second_target: str) -> dict:
+        async with EngineEndpoint(first_target) as first, EngineEndpoint(second_target) as second:
+            systems = [ComparedSystem("first", first, concurrency=3, owned_engine=first),
+                       ComparedSystem("second", second, concurrency=1)]
+            return await run_interleaved(requests, systems, tenants=1, note=notes.append)
+
+    with serving(servicers[0]) as first_target, serving(servicers[1]) as second_target:
+        summaries = asyncio.run(main(first_target, second_target))
+    runs = [(system, request_id.rsplit("-", 1)[0]) for system, request_id in timeline]
+    assert [runs[i] for i in range(0, len(runs), 3)] == [
+        ("first", "unique"), ("second", "unique"), ("second", "few-shot"), ("first", "few-shot"),
+        ("first", "shared-system-prompt"), ("second", "shared-system-prompt")]
+    assert all(runs[i] == runs[i - i % 3] for i in range(len(runs)))  # one system and workload at a time
+    assert all(summaries[system][name].completed == 3 for system in ("first", "second") for name in workloads)
+    assert servicers[0].most_in_flight == 3 and servicers[1].most_in_flight == 1
+    assert notes == [f"first refused to reset its prefix cache before {name}" for name in workloads]
 
 
 def test_poisson_arrivals_are_respected(engine_server):
