@@ -16,8 +16,8 @@ Without --target it starts local platforms itself, as `prefixcache bench` does, 
 workload runs through the three systems back to back, the order rotating from one workload to the
 next, so that a drift in this VM's speed over minutes lands on every side rather than on whichever
 ran last. Single runs still vary: `unique` with / without the cache read 0.84x in one interleaved
-run and 0.91x to 1.14x in five back-to-back pairs on the same VM. Both sides run the weights in float32 by default (the dtype the local platform reports is
-printed next to the table).
+run and 0.91x to 1.14x in five back-to-back pairs on the same VM. Both sides run the weights in
+float32 by default (the dtype the local platform reports is printed next to the table).
 """
 from __future__ import annotations
 

@@ -171,8 +171,8 @@ class VllmEndpoint:
         return record
 
 
-async def run_both(config: BenchConfig, our_target: str, theirs: VllmEndpoint
-                   ) -> tuple[dict[str, object], dict[str, dict[str, RunSummary]]]:
+async def compare(config: BenchConfig, our_target: str, theirs: VllmEndpoint
+                  ) -> tuple[dict[str, object], dict[str, dict[str, RunSummary]]]:
     """Plan the workloads on our engine, warm both systems up, then run each workload through both
     back to back (`run_interleaved`). Returns the run's description and the summaries by system,
     then workload."""
@@ -259,11 +259,11 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _run_both(config: BenchConfig, local: LocalSettings, server: VllmServer
                     ) -> tuple[dict[str, object], dict[str, dict[str, RunSummary]]]:
-    """Both systems up at once (vLLM starting while our platform does), then `run_both`."""
+    """Both systems up at once (vLLM starting while our platform does), then `compare`."""
     async with contextlib.AsyncExitStack() as stack:
         target = config.target or await stack.enter_async_context(local_platform(local, prefix_caching=True))
         await asyncio.to_thread(server.wait_ready)
-        return await run_both(config, target, VllmEndpoint(server.port))
+        return await compare(config, target, VllmEndpoint(server.port))
 
 
 if __name__ == "__main__":

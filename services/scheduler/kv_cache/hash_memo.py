@@ -72,6 +72,7 @@ class BlockHashMemo:
               first_extra: bytes) -> tuple[list[BlockHash], list[tuple[_Key, BlockHash]]]:
         """The remembered leading hashes, and the entries among them found in the older generation."""
         block_size = self.block_size
+        newer, older = self._newer, self._older  # the walk stores nothing: both stay as they are
         hashes: list[BlockHash] = []
         in_use: list[tuple[_Key, BlockHash]] = []
         found: BlockHash | None = None
@@ -83,13 +84,12 @@ class BlockHashMemo:
             words = _words(token_ids[start * block_size : stop * block_size])
             if words is None:  # not 32-bit unsigned ids: the hasher will say what is wrong
                 break
-            newer = self._newer
             for offset in range(0, len(words), stride):
                 block = words[offset : offset + stride]
                 key = (None, block, first_extra) if found is None else (found, block)
                 found = newer.get(key)
                 if found is None:
-                    found = self._older.get(key)
+                    found = older.get(key)
                     if found is None:
                         return hashes, in_use
                     in_use.append((key, found))
