@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -24,7 +24,7 @@ from opentelemetry import trace
 
 from prefixcache.protos.engine.v1 import engine_pb2 as pb
 from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
-from prefixcache.services.common.block_identity import BlockExtras
+from prefixcache.services.common.block_identity import BlockExtras, MultiModalItem
 from prefixcache.services.common.grpc_client import status_of
 from prefixcache.services.common.quoting import quoted
 from prefixcache.services.common.step_codec import logprobs_to_proto
@@ -261,7 +261,8 @@ class EngineServicer(pb_grpc.EngineServicer):
             max_tokens=max_tokens,
             stop_token_ids=tuple(options.stop_token_ids),
             ignore_eos=options.ignore_eos,
-            extras=BlockExtras(lora_name=request.lora_adapter or None, cache_salt=salt),
+            extras=BlockExtras(lora_name=request.lora_adapter or None,
+                               mm_items=_multimodal_items(request.multimodal_items, len(prompt_ids)), cache_salt=salt),
         )
 
     def _capacity_tokens(self) -> int:
@@ -496,3 +497,26 @@ def account_to_proto(account: CacheAccount) -> pb.CacheAccount:
         queried_blocks=account.queried_blocks,
         hit_blocks=account.hit_blocks,
     )
+
+
+def _multimodal_items(items: Iterable[pb.MultiModalItem], prompt_len: int) -> tuple[MultiModalItem, ...]:
+    """The request's multimodal items for the block hashes: each content hash enters the identity
+    of every block its placeholder tokens overlap, so the same placeholders with another image
+    never share KV."""
+    converted: list[MultiModalItem] = []
+    previous_end = 0
+    for index, item in enumerate(items):
+        name = f"multimodal_items[{index}]"
+        if not item.content_hash:
+            raise InvalidRequest(f"{name}.content_hash", "must not be empty")
+        if item.length == 0:
+            raise InvalidRequest(f"{name}.length", "must be at least 1")
+        if item.offset + item.length > prompt_len:
+            raise InvalidRequest(name, f"tokens {item.offset}..{item.offset + item.length - 1} lie past the "
+                                       f"prompt's {prompt_len} tokens")
+        if item.offset < previous_end:
+            raise InvalidRequest(f"{name}.offset", f"{item.offset} is inside or before the previous item, which "
+                                                   f"ends at {previous_end}: items must be sorted and must not overlap")
+        previous_end = item.offset + item.length
+        converted.append(MultiModalItem(item.content_hash, item.offset, item.length))
+    return tuple(converted)

@@ -65,9 +65,11 @@ class SimulatedWorker:
         model_id: str = "sim-model",
         step_delay_s: float = 0.0,
         tokenizer_id: str = "",
+        supports_multimodal: bool = False,
     ) -> None:
         self.info_template = (model_id, vocab_size, max_model_len, num_kv_blocks, eos_token_ids)
         self.tokenizer_id = tokenizer_id
+        self.supports_multimodal = supports_multimodal
         self.avoid = frozenset(eos_token_ids)
         self.step_delay_s = step_delay_s
         self.block_size = 0
@@ -98,7 +100,8 @@ class SimulatedWorker:
         self.kv_memory.clear()
         self.initializations += 1
         self.up = True
-        return WorkerInfo(model_id, vocab_size, max_model_len, num_kv_blocks, eos, tokenizer_id=self.tokenizer_id)
+        return WorkerInfo(model_id, vocab_size, max_model_len, num_kv_blocks, eos, tokenizer_id=self.tokenizer_id,
+                          supports_multimodal=self.supports_multimodal)
 
     async def execute(self, step: SchedulerStep) -> StepOutput:
         await asyncio.sleep(self.step_delay_s)

@@ -221,3 +221,46 @@ def test_a_prompt_id_the_tokenizer_lacks_is_unavailable_not_an_internal_field(to
             assert engine.cache_stats().used_blocks == 0 and engine.cache_stats().queries == 0
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def with_images(request: pb.GenerateRequest, *items: tuple[str, int, int]) -> pb.GenerateRequest:
+    for content_hash, offset, length in items:
+        request.multimodal_items.append(pb.MultiModalItem(content_hash=content_hash, offset=offset, length=length))
+    return request
+
+
+def test_an_image_enters_the_identity_of_the_blocks_its_placeholders_overlap(tokenizer: TextTokenizer) -> None:
+    """The same placeholder tokens with another image share only the blocks before the image (block
+    size 4 here); the same image again hits up to the capped last block."""
+    prompt = list(range(300, 324))  # 24 tokens, 6 blocks; the image holds tokens 9..12 (blocks 2 and 3)
+
+    async def cached_tokens(client: EngineClient, content_hash: str) -> int:
+        completion = await client.complete(with_images(build_request(token_ids=prompt, max_tokens=2),
+                                                       (content_hash, 9, 4)))
+        return completion.usage.cached_tokens
+
+    async def main() -> list[int]:
+        async with engine_api(tokenizer, multimodal=True) as (target, _), EngineClient(target) as client:
+            return [await cached_tokens(client, image) for image in ("sha256:cat", "sha256:dog", "sha256:cat")]
+
+    assert asyncio.run(asyncio.wait_for(main(), 60)) == [0, 8, 20]
+
+
+@pytest.mark.parametrize("items, field", [
+    ([("", 0, 2)], "multimodal_items[0].content_hash"),
+    ([("img", 0, 0)], "multimodal_items[0].length"),
+    ([("img", 10, 2)], "multimodal_items[0]"),  # past the prompt's 11 tokens
+    ([("img", 4, 4), ("other", 6, 2)], "multimodal_items[1].offset"),  # overlaps the first
+    ([("img", 6, 2), ("other", 0, 2)], "multimodal_items[1].offset"),  # out of order
+])
+def test_bad_multimodal_items_are_refused_by_name(tokenizer: TextTokenizer, items: list, field: str) -> None:
+    async def main() -> None:
+        async with engine_api(tokenizer, multimodal=True) as (target, _), EngineClient(target) as client:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await client.complete(with_images(build_request(token_ids=PROMPT, max_tokens=2), *items))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert refused.value.details().startswith(f"{field}: ")
+            accepted = await client.complete(with_images(build_request(token_ids=PROMPT, max_tokens=2), ("img", 0, 2)))
+            assert accepted.finish_reason == "length"
+
+    asyncio.run(asyncio.wait_for(main(), 60))
