@@ -73,13 +73,14 @@ def apply(api_client: client.ApiClient, objects: Iterable[Mapping[str, Any]], ow
                 raise NotOwnedError(f"{kind} {namespace}/{name} already exists and is not managed by this "
                                     f"PrefixCacheDeployment; rename one of them")
         cleared = _cleared_fields(current, obj) if current is not None else []
-        if current is not None and not cleared and not _drifted(current, obj):
+        stale = _stale_keys(current, obj) if current is not None else {}
+        if current is not None and not cleared and not stale and not _drifted(current, obj):
             continue
         try:
             if current is None:
                 _call(api_client, kind, "create", namespace, dict(obj))
             else:
-                _call(api_client, kind, "patch", name, namespace, _merge_patch(current, obj, cleared),
+                _call(api_client, kind, "patch", name, namespace, _merge_patch(obj, cleared, stale),
                       _content_type=MERGE_PATCH)
         except ApiException as error:
             if error.status == 422:
@@ -119,6 +120,38 @@ def _same_quantity(a: Any, b: Any) -> bool:
 _OPTIONAL_POD_FIELDS = ("nodeSelector", "tolerations", "imagePullSecrets")
 
 
+# Maps that must hold exactly the rendered keys: a merge patch merges maps, so a key that is no
+# longer rendered (or was added by hand) stays unless the patch removes it (null). A key left in a
+# node selector pins pods to nodes the spec no longer asks for; one added to a Service's selector
+# selects no pods at all.
+_EXACT_MAPS = {
+    "ConfigMap": ("data",),
+    "Service": ("spec", "selector"),
+    "Deployment": ("spec", "template", "spec", "nodeSelector"),
+}
+
+
+def _stale_keys(current: Mapping[str, Any], desired: Mapping[str, Any]) -> dict[tuple[str, ...], list[str]]:
+    """The keys of `current`'s exact map (`_EXACT_MAPS`) that `desired` does not render, by the
+    map's path; nothing when `desired` renders no such map (see `_cleared_fields`)."""
+    path = _EXACT_MAPS.get(desired["kind"])
+    if path is None:
+        return {}
+    want, have = _at(desired, path), _at(current, path)
+    if not isinstance(want, Mapping) or not isinstance(have, Mapping):
+        return {}
+    stale = sorted(set(have) - set(want))
+    return {path: stale} if stale else {}
+
+
+def _at(obj: Mapping[str, Any], path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(obj, Mapping):
+            return None
+        obj = obj.get(key)
+    return obj
+
+
 def _cleared_fields(current: Mapping[str, Any], desired: Mapping[str, Any]) -> list[str]:
     """The optional pod-spec fields `current` has and `desired` no longer renders."""
     if desired["kind"] != "Deployment":
@@ -136,13 +169,13 @@ def _status_message(error: ApiException) -> str:
         return str(error.body or error.reason)
 
 
-def _merge_patch(current: Mapping[str, Any], desired: Mapping[str, Any], cleared: list[str]) -> dict[str, Any]:
-    """`desired` as a merge patch, with explicit nulls for ConfigMap keys it no longer has and for
-    the `cleared` pod-spec fields."""
+def _merge_patch(desired: Mapping[str, Any], cleared: list[str],
+                 stale: Mapping[tuple[str, ...], list[str]]) -> dict[str, Any]:
+    """`desired` as a merge patch, with explicit nulls for the `stale` keys of its exact maps and
+    for the `cleared` pod-spec fields."""
     patch = copy.deepcopy(dict(desired))
-    if desired["kind"] == "ConfigMap":
-        stale = set(current.get("data") or {}) - set(desired.get("data") or {})
-        patch["data"] = {**desired.get("data", {}), **dict.fromkeys(stale)}
+    for path, keys in stale.items():
+        _at(patch, path).update(dict.fromkeys(keys))
     if cleared:
         patch["spec"]["template"]["spec"].update(dict.fromkeys(cleared))
     return patch

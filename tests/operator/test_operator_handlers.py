@@ -261,3 +261,25 @@ def test_placement_removed_from_the_spec_leaves_the_pods(operator: Any, api: cli
                    and "nodeSelector" not in d["spec"]["template"]["spec"] and d["spec"]["template"]["spec"],
                    "the node selector to leave the engine pods")
     assert "tolerations" not in pod and "imagePullSecrets" not in pod
+
+
+def test_maps_that_must_match_the_spec_lose_keys_it_no_longer_has(operator: Any, api: client.ApiClient) -> None:
+    """A merge patch merges maps: a node-selector key dropped from the spec, or a key added by hand to
+    the Service's selector, must be removed explicitly or it stays."""
+    two_labels = {"pool": "gpu", "cloud.google.com/gke-accelerator": "nvidia-a100"}
+    create(api, "iota", {"worker": {"nodeSelector": two_labels}}, uid="uid-iota")
+    engine = wait_for(lambda: deployment(api, "iota-engine"), "the engine Deployment")
+    assert engine["spec"]["template"]["spec"]["nodeSelector"] == two_labels
+    patch = {"metadata": {"generation": 2},
+             "spec": {"worker": {"nodeSelector": {"cloud.google.com/gke-accelerator": None}}}}
+    client.CustomObjectsApi(api).patch_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, "iota", patch)
+    wait_for(lambda: deployment(api, "iota-engine")["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "gpu"},
+             "the dropped label to leave the engine pods' node selector")
+    # An edit made while a spec is being reconciled waits for the periodic resync: edit after it.
+    wait_for(lambda: condition(api, "iota", "Reconciled")["observedGeneration"] == 2, "observedGeneration 2")
+
+    core = client.CoreV1Api(api)
+    selector = core.read_namespaced_service("iota", NAMESPACE).spec.selector
+    core.patch_namespaced_service("iota", NAMESPACE, {"spec": {"selector": {"edited-by": "hand"}}})
+    wait_for(lambda: core.read_namespaced_service("iota", NAMESPACE).spec.selector == selector,
+             "the engine Service's selector to be put back")
