@@ -26,7 +26,11 @@ RUN case ",${EXTRAS}," in *,worker,*) prefixcache model pull && rm -rf /opt/pref
     *) mkdir -p /opt/prefixcache ;; esac
 
 FROM python:${PYTHON}-slim-bookworm
-RUN apt-get update && apt-get install -y --no-install-recommends tini && rm -rf /var/lib/apt/lists/* \
+ARG EXTRAS=tokenizer,scheduler,worker,operator
+# The worker's Triton kernels compile their CUDA launchers with a C compiler on first use, in every
+# new pod (the cache under HOME starts empty): images that serve the model carry gcc.
+RUN case ",${EXTRAS}," in *,worker,*) compiler="gcc libc6-dev" ;; *) compiler="" ;; esac \
+    && apt-get update && apt-get install -y --no-install-recommends tini $compiler && rm -rf /var/lib/apt/lists/* \
     && groupadd --gid 10001 prefixcache && useradd --uid 10001 --gid 10001 --no-create-home prefixcache
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build --chown=10001:10001 /opt/prefixcache /opt/prefixcache
