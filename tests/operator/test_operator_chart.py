@@ -44,9 +44,20 @@ def chart() -> Any:
     return helm.Chart.load(str(CHART))
 
 
-def rendered(chart: Any, values: dict[str, Any]) -> list[dict[str, Any]]:
-    manifests = chart.render(values, name="chat", namespace="serving")
-    return [doc for text in manifests.values() for doc in yaml.safe_load_all(text) if doc]
+def rendered(chart: Any, values: dict[str, Any], name: str = "chat", namespace: str = "serving") -> list[dict[str, Any]]:
+    """The chart's objects (NOTES.txt is text for the user, not a manifest)."""
+    manifests = chart.render(values, name=name, namespace=namespace)
+    return [doc for path, text in manifests.items() if not path.endswith("NOTES.txt")
+            for doc in yaml.safe_load_all(text) if doc]
+
+
+def test_the_notes_name_the_objects_the_chart_makes(chart: Any) -> None:
+    """What `helm install` prints must point at the Service and Deployment that exist."""
+    notes = chart.render({}, name="chat", namespace="serving")["prefixcache/templates/NOTES.txt"]
+    names = {(doc["kind"], doc["metadata"]["name"]) for doc in rendered(chart, {})}
+    assert ("Service", "chat") in names and "service/chat 50051:50051" in notes
+    assert ("Deployment", "chat-engine") in names and "deployment/chat-engine" in notes
+    assert "chat.serving.svc:50051" in notes and "--target localhost:50051" in notes
 
 
 def test_chart_lints_clean() -> None:
@@ -116,8 +127,7 @@ def test_values_yaml_would_read_as_numbers_booleans_or_null_stay_strings(chart: 
 
 
 def test_names_yaml_would_read_as_booleans_stay_strings(chart: Any) -> None:
-    objects = [doc for text in chart.render({"operator": {"enabled": True}}, name="on", namespace="no").values()
-               for doc in yaml.safe_load_all(text) if doc]
+    objects = rendered(chart, {"operator": {"enabled": True}}, name="on", namespace="no")
     service = next(o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "on")
     assert service["metadata"]["labels"]["app.kubernetes.io/instance"] == "on"
     assert {o["metadata"]["namespace"] for o in objects if "namespace" in o["metadata"]} == {"no"}
@@ -184,8 +194,7 @@ def test_chart_crd_is_the_operator_crd() -> None:
 
 def test_two_releases_of_one_name_in_two_namespaces_share_no_cluster_scoped_object(chart: Any) -> None:
     def cluster_scoped(namespace: str) -> set[tuple[str, str]]:
-        objects = [doc for text in chart.render({"operator": {"enabled": True}}, name="chat", namespace=namespace).values()
-                   for doc in yaml.safe_load_all(text) if doc]
+        objects = rendered(chart, {"operator": {"enabled": True}}, namespace=namespace)
         return {(o["kind"], o["metadata"]["name"]) for o in objects if o["kind"].startswith("Cluster")}
 
     team_a, team_b = cluster_scoped("team-a"), cluster_scoped("team-b")
