@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import jsonschema
 import kubernetes_validate
 import pytest
+import yaml
 
-from prefixcache.operator.schema import apply_defaults, load_crd, spec_schema
+from prefixcache.operator.schema import VERSION, apply_defaults, load_crd, spec_schema
 from prefixcache.operator.spec import SpecError, check_name, parse_spec
 
 KUBE_VERSIONS = ("1.33", "1.37")
@@ -73,6 +75,15 @@ def test_empty_spec_gets_every_default() -> None:
         "scheduler": {"resources": {}}, "tokenizer": {"replicas": 1, "resources": {}},
         "terminationGracePeriodSeconds": 60,
     }
+
+
+def test_a_manifest_without_a_spec_gets_every_default() -> None:
+    (version,) = (v for v in load_crd()["spec"]["versions"] if v["name"] == VERSION)
+    root = version["schema"]["openAPIV3Schema"]
+    assert "spec" not in root.get("required", [])
+    manifest = {"apiVersion": f"prefixcache.dev/{VERSION}", "kind": "PrefixCacheDeployment",
+                "metadata": {"name": "chat"}}
+    assert apply_defaults(root, manifest)["spec"] == apply_defaults(spec_schema(), {})
 
 
 def test_defaults_fill_gaps_but_keep_given_values() -> None:
@@ -206,3 +217,13 @@ def test_names_that_break_a_child_name_are_refused(name: str) -> None:
 def test_model_paths_inside_the_claim_are_accepted(path: str) -> None:
     spec = parse_spec({"model": {"source": "PersistentVolumeClaim", "claimName": "models", "path": path}})
     assert spec.model.path == path and spec.model.claim_name == "models"
+
+
+def test_the_readme_example_is_a_valid_manifest() -> None:
+    readme = (Path(__file__).parents[2] / "operator" / "README.md").read_text()
+    (example,) = re.findall(r"```yaml\n(.*?)```", readme, re.S)
+    manifest = yaml.safe_load(example)
+    assert manifest["kind"] == "PrefixCacheDeployment" and manifest["apiVersion"] == f"prefixcache.dev/{VERSION}"
+    check_name(manifest["metadata"]["name"])
+    parsed = parse_spec(manifest["spec"])
+    assert parsed.replicas == 2 and parsed.tenant_salts.secret_name == "chat-tenant-salt"
