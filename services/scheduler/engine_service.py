@@ -193,6 +193,9 @@ class EngineServicer(pb_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, _tokenizer_failed(request_id, *status_of(error)))
         finally:
             if not stream.finished:  # cancelled by the client, deadline, or an error above
+                # Closing the engine's stream now, not when it is collected, hands its unread outputs
+                # to `abandoned`: the final one, if the engine finished first, holds the reason to count.
+                await outputs.aclose()
                 for output in [*abandoned, self._engine.abort(request_id)]:
                     stream.absorb(output)
                 stream.count_unread_finish()

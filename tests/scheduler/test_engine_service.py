@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import re
 
 import grpc
 import pytest
@@ -13,6 +14,7 @@ from grpc import aio
 from prefixcache.protos.engine.v1 import engine_pb2 as pb
 from prefixcache.services.common.engine_client import Completion, EngineClient, build_request
 from prefixcache.services.scheduler.engine_service import MAX_CACHE_SALT_BYTES, MAX_TENANT_BYTES
+from prefixcache.services.scheduler.tokenizer_client import StreamingDetokenizer
 from prefixcache.services.tokenizer.text import TextTokenizer
 
 from engine_harness import PROMPT, SPECIAL_IDS, engine_api
@@ -264,3 +266,39 @@ def test_bad_multimodal_items_are_refused_by_name(tokenizer: TextTokenizer, item
             assert accepted.finish_reason == "length"
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def finished_counts(engine) -> dict[str, float]:
+    text = engine.metrics.exposition().decode()
+    return {reason: float(count) for reason, count in
+            re.findall(r'prefixcache_requests_finished_total\{finish_reason="(\w+)"\} (\S+)', text)}
+
+
+def test_a_client_that_leaves_after_the_engine_finished_is_still_counted(tokenizer: TextTokenizer,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """With stop strings the servicer counts the finish. A tokenizer 10 ms away lets the engine finish
+    the request before the client, which cancels after three responses, has read its end: the
+    unread final output must still be counted, once."""
+    push = StreamingDetokenizer.push
+
+    async def remote_push(self, token_ids, last=False):
+        await asyncio.sleep(0.01)
+        return await push(self, token_ids, last)
+
+    monkeypatch.setattr(StreamingDetokenizer, "push", remote_push)
+    num_requests = 6
+
+    async def main() -> dict[str, float]:
+        async with engine_api(tokenizer) as (target, engine), EngineClient(target) as client:
+            for _ in range(num_requests):
+                stream = client.generate(build_request(token_ids=PROMPT, max_tokens=40, stop=["never appears"]))
+                for _ in range(3):
+                    await stream.read()
+                stream.cancel()
+            while engine.num_running or engine.num_waiting:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # the calls' cleanup
+            return finished_counts(engine)
+
+    counts = asyncio.run(asyncio.wait_for(main(), 60))
+    assert sum(counts.values()) == num_requests, counts
