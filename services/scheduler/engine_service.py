@@ -68,6 +68,12 @@ _tracer = trace.get_tracer(__name__)
 # server hash and hold megabytes.
 MAX_CACHE_SALT_BYTES = 1024
 MAX_TENANT_BYTES = 256
+# A request id is echoed in every response and recorded in spans and eviction events.
+MAX_REQUEST_ID_BYTES = 256
+# Stop strings are matched on the event loop that serves every request, at a cost per token that
+# grows with their number: a bound keeps one request from slowing all the others.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
 
 
 class InvalidRequest(ValueError):
@@ -119,6 +125,9 @@ class EngineServicer(pb_grpc.EngineServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         request_id = request.request_id or uuid.uuid4().hex
+        if (size := len(request_id.encode())) > MAX_REQUEST_ID_BYTES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request_id: {size} bytes, more than the {MAX_REQUEST_ID_BYTES} allowed")
         if request_id in self._open_request_ids:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {quoted(request_id)} is already in flight")
         self._open_request_ids.add(request_id)
@@ -210,9 +219,15 @@ class EngineServicer(pb_grpc.EngineServicer):
             raise InvalidRequest("lora_adapter", f"unknown adapter {quoted(request.lora_adapter)} (available: {available})")
         if request.multimodal_items and not self._options.multimodal:
             raise InvalidRequest("multimodal_items", "the model is text-only")
+        if len(request.sampling.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest("sampling.stop", f"{len(request.sampling.stop)} stop strings, more than the "
+                                                  f"{MAX_STOP_STRINGS} allowed")
         for index, stop in enumerate(request.sampling.stop):
             if not stop:
                 raise InvalidRequest(f"sampling.stop[{index}]", "must not be empty")
+            if len(stop) > MAX_STOP_STRING_CHARS:
+                raise InvalidRequest(f"sampling.stop[{index}]", f"{len(stop)} characters, more than the "
+                                                               f"{MAX_STOP_STRING_CHARS} allowed")
         # Neither value is quoted back: a salt is a secret, and a tenant name is as good as one.
         for name, limit in (("cache_salt", MAX_CACHE_SALT_BYTES), ("tenant", MAX_TENANT_BYTES)):
             if not request.HasField(name):
@@ -479,7 +494,7 @@ def eviction_attributes(batch: EvictionBatch) -> dict[str, int | list[str]]:
 def _tokenizer_failed(request_id: str, code: grpc.StatusCode, details: str) -> str:
     """The client's message for a failed tokenizer call. gRPC's details can name the tokenizer's
     address, which stays in the scheduler's log."""
-    log.warning("request %s: tokenizer call failed: %s: %s", request_id, code.name, details)
+    log.warning("request %s: tokenizer call failed: %s: %s", quoted(request_id), code.name, details)
     return f"the tokenizer service failed ({code.name}); retry the request"
 
 

@@ -13,7 +13,8 @@ from grpc import aio
 
 from prefixcache.protos.engine.v1 import engine_pb2 as pb
 from prefixcache.services.common.engine_client import Completion, EngineClient, build_request
-from prefixcache.services.scheduler.engine_service import MAX_CACHE_SALT_BYTES, MAX_TENANT_BYTES
+from prefixcache.services.scheduler.engine_service import (MAX_CACHE_SALT_BYTES, MAX_REQUEST_ID_BYTES, MAX_STOP_STRING_CHARS,
+                                                           MAX_STOP_STRINGS, MAX_TENANT_BYTES)
 from prefixcache.services.scheduler.tokenizer_client import StreamingDetokenizer
 from prefixcache.services.tokenizer.text import TextTokenizer
 
@@ -302,3 +303,24 @@ def test_a_client_that_leaves_after_the_engine_finished_is_still_counted(tokeniz
 
     counts = asyncio.run(asyncio.wait_for(main(), 60))
     assert sum(counts.values()) == num_requests, counts
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"request_id": "r" * (MAX_REQUEST_ID_BYTES + 1)}, "request_id"),
+    ({"stop": [f"stop {i}" for i in range(MAX_STOP_STRINGS + 1)]}, "sampling.stop"),
+    ({"stop": ["fine", "s" * (MAX_STOP_STRING_CHARS + 1)]}, "sampling.stop[1]"),
+], ids=["request_id", "stop-count", "stop-length"])
+def test_what_every_response_or_token_would_carry_is_bounded(tokenizer: TextTokenizer, fields: dict, field: str) -> None:
+    """A request id is echoed in every response, stop strings are matched at every token: both are
+    capped, refused by name without quoting the value, and the bounds themselves are accepted."""
+    async def main() -> None:
+        async with engine_api(tokenizer) as (target, _), EngineClient(target) as client:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await client.complete(build_request(token_ids=PROMPT, max_tokens=2, **fields))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert refused.value.details().startswith(f"{field}: ") and len(refused.value.details()) < 200
+            at_the_bounds = build_request(token_ids=PROMPT, max_tokens=2, request_id="r" * MAX_REQUEST_ID_BYTES,
+                                          stop=["s" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS)
+            assert (await client.complete(at_the_bounds)).finish_reason == "length"
+
+    asyncio.run(asyncio.wait_for(main(), 60))
