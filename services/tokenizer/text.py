@@ -47,6 +47,8 @@ class TextTokenizer:
         eos_id = self._id_of(self.eos_token)
         self.eos_token_ids: tuple[int, ...] = () if eos_id is None else (eos_id,)
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self.special_ids = frozenset(i for i, token in self._tokenizer.get_added_tokens_decoder().items()
+                                     if token.special)
         template = config.get("chat_template")
         self._chat_template = _compile_template(template) if isinstance(template, str) else None
 
@@ -161,6 +163,8 @@ class IncrementalDetokenizer:
         """Add ids; return the text they complete (possibly empty). With `last`, also the text still
         held back, an unfinished character decoded as U+FFFD, as a full decode would show it."""
         self._tokenizer.check_ids(new_ids)
+        if self._skip_special and self._tokenizer.special_ids.issuperset(new_ids):
+            new_ids = ()  # skipped: kept out of the window, which would otherwise grow with every one
         self._ids.extend(new_ids)
         if len(self._ids) == self._read_offset:
             return ""

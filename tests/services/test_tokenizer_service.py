@@ -13,7 +13,7 @@ from prefixcache.protos.tokenizer.v1 import tokenizer_pb2 as pb
 from prefixcache.protos.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
 from prefixcache.services.common.tokenizer_identity import tokenizer_id
 from prefixcache.services.tokenizer.server import servicer
-from prefixcache.services.tokenizer.text import TextTokenizer
+from prefixcache.services.tokenizer.text import IncrementalDetokenizer, TextTokenizer
 
 # The chat-templated "What is the capital of France?" with SmolLM2's default system prompt.
 CAPITAL_OF_FRANCE_CHAT = [
@@ -195,3 +195,29 @@ def test_info_describes_the_vocabulary(tokenizer: TextTokenizer, model_dir: Path
         assert (await stub.Tokenize(pb.TokenizeRequest(text="hi"))).tokenizer_id == info.tokenizer_id
 
     run(tokenizer, body)
+
+
+def test_skipped_special_tokens_cost_nothing_and_change_no_text(tokenizer: TextTokenizer,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model that keeps emitting <|im_end|> under ignore_eos: each skipped token must not widen the
+    window every later push decodes (the work grew with the square of the stream), and an unfinished
+    character still flushes when the stream ends on a skipped token."""
+    im_end = tokenizer.eos_token_ids[0]
+    assert im_end in tokenizer.special_ids
+    emoji = tokenizer.encode("ok 🎉")
+    cut = next(n for n in range(len(emoji), 0, -1) if tokenizer.decode(emoji[:n]).endswith("\ufffd"))
+    stream = tokenizer.encode(" héllo") + [im_end] * 1000 + tokenizer.encode(" 世界") + [im_end] * 3 + emoji[:cut]
+    decoded_ids = 0
+    decode = tokenizer.decode_checked
+
+    def counting_decode(token_ids, skip_special_tokens=False):
+        nonlocal decoded_ids
+        decoded_ids += len(token_ids)
+        return decode(token_ids, skip_special_tokens)
+
+    monkeypatch.setattr(tokenizer, "decode_checked", counting_decode)
+    detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), skip_special_tokens=True)
+    pieces = [detokenizer.push([token_id]) for token_id in stream] + [detokenizer.push([im_end], last=True)]
+    assert "".join(pieces) == decode(stream, skip_special_tokens=True)
+    assert pieces[-1].endswith("\ufffd")
+    assert decoded_ids < 40 * len(stream)
