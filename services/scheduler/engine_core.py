@@ -181,7 +181,8 @@ class EngineCore:
         account of a request cancelled before its first token, and its evictions.
 
         `counts_own_finish`: the caller tells `metrics.request_finished` why the request ended (a
-        stop string it matched can turn the engine's "length" into "stop"), so the engine does not
+        stop string it matched can turn the engine's "length" into "stop", a tokenizer that failed
+        it mid-stream into "error"), so the engine does not
         count the final output's reason; a request lost with the worker is still counted here."""
         self.validate(request)
         assert self._scheduler is not None

@@ -39,7 +39,8 @@ from prefixcache.services.scheduler.engine_core import (
     RequestRejected,
 )
 from prefixcache.services.scheduler.kv_cache import CacheAccount, EvictionBatch
-from prefixcache.services.scheduler.request import FINISH_STOP
+from prefixcache.services.scheduler.metrics import FINISH_ERROR
+from prefixcache.services.scheduler.request import FINISH_ABORT, FINISH_STOP
 from prefixcache.services.scheduler.stop_strings import StopStringMatcher
 from prefixcache.services.scheduler.tenancy import TenantSalts
 from prefixcache.services.scheduler.tokenizer_client import StreamingDetokenizer, TokenizerClient, TokenizerMismatch
@@ -170,7 +171,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             abandoned: list[RequestOutput] = []  # outputs never read, if the engine saw the call leave first
             try:
                 outputs = self._engine.add_request(engine_request, on_abandon=abandoned.append,
-                                                   counts_own_finish=bool(request.sampling.stop))
+                                                   counts_own_finish=True)
             except Exception:
                 await detokenizer.close()
                 raise
@@ -190,24 +191,29 @@ class EngineServicer(pb_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, _tokenizer_failed(request_id, code, details))
         span.set_attribute("gen_ai.usage.input_tokens", len(prompt_ids))
 
-        stream = _Stream(request_id, self._engine, detokenizer, list(request.sampling.stop),
-                         counts_finish=bool(request.sampling.stop))
+        stream = _Stream(request_id, self._engine, detokenizer, list(request.sampling.stop))
         self._request_spans.add(request_id, span)
+        failed = False  # the call ends UNAVAILABLE for a fault of ours the engine did not see
         try:
             async for response in stream.responses(outputs):
                 yield response
-        except (EngineUnavailable, TokenizerMismatch) as error:
+        except EngineUnavailable as error:  # the engine lost the worker: it ended and counted the request
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        except TokenizerMismatch as error:
+            failed = True
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         except grpc.RpcError as error:
+            failed = True
             await context.abort(grpc.StatusCode.UNAVAILABLE, _tokenizer_failed(request_id, *status_of(error)))
         finally:
             if not stream.finished:  # cancelled by the client, deadline, or an error above
+                self._engine.abort(request_id, FINISH_ERROR if failed else FINISH_ABORT)  # if still running
                 # Closing the engine's stream now, not when it is collected, hands its unread outputs
-                # to `abandoned`: the final one, if the engine finished first, holds the reason to count.
+                # to `abandoned`: the final one holds the reason to count.
                 await outputs.aclose()
-                for output in [*abandoned, self._engine.abort(request_id)]:
+                for output in abandoned:
                     stream.absorb(output)
-                stream.count_unread_finish()
+                stream.count_unread_finish(FINISH_ERROR if failed else None)
             self._request_spans.remove(request_id)
             await stream.close()
             stream.annotate(span)
@@ -362,15 +368,14 @@ class EngineServicer(pb_grpc.EngineServicer):
 class _Stream:
     """Turns one request's engine outputs into responses: text, stop strings, the final summary."""
 
-    def __init__(self, request_id: str, engine: EngineCore, detokenizer: StreamingDetokenizer, stops: list[str],
-                 counts_finish: bool = False):
+    def __init__(self, request_id: str, engine: EngineCore, detokenizer: StreamingDetokenizer, stops: list[str]):
         self._request_id = request_id
         self._engine = engine
         self._detokenizer = detokenizer
         self._stops = StopStringMatcher(stops)
-        # Tells the engine's metrics why the request ended (added with `counts_own_finish`): a stop
-        # string can end it after the engine already finished it for another reason.
-        self._counts_finish = counts_finish
+        # The stream, not the engine, tells the metrics why the request ended (it is added with
+        # `counts_own_finish`): as the client was told, which a stop string or a failed tokenizer
+        # can make differ from the reason the engine finished it for.
         self._engine_finish_reason: str | None = None  # of the final output, once absorbed
         self.finished = False
         self.last: RequestOutput | None = None
@@ -407,17 +412,16 @@ class _Stream:
         had finished the request first (it runs ahead of detokenizing)."""
         self.finished = True
         reason = FINISH_STOP if self._stops.stopped else output.finish_reason
-        self._count_finish(reason)
+        self._engine.metrics.request_finished(reason)
         return self._response(output, text, reason, with_tokens)
 
-    def count_unread_finish(self) -> None:
-        """For a stream that ended without its final response (cancelled, deadline, an error): count
-        the reason of the engine's final output, absorbed since, if there was one."""
-        if self._engine_finish_reason is not None:
-            self._count_finish(FINISH_STOP if self._stops.stopped else self._engine_finish_reason)
-
-    def _count_finish(self, reason: str) -> None:
-        if self._counts_finish:
+    def count_unread_finish(self, told: str | None = None) -> None:
+        """For a stream that ended without its final response: count `told`, what the call ended
+        with, if the servicer failed it; otherwise (cancelled, deadline) the reason of the engine's
+        final output, absorbed since, if there was one (none: the engine lost the worker and
+        counted the request itself)."""
+        reason = told or (FINISH_STOP if self._stops.stopped else self._engine_finish_reason)
+        if reason is not None:
             self._engine.metrics.request_finished(reason)
 
     def _response(self, output: RequestOutput, text: str, reason: str | None,

@@ -324,3 +324,22 @@ def test_what_every_response_or_token_would_carry_is_bounded(tokenizer: TextToke
             assert (await client.complete(at_the_bounds)).finish_reason == "length"
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+@pytest.mark.parametrize("stop", [[], ["never appears"]], ids=["engine-counts", "servicer-counts"])
+def test_a_stream_the_tokenizer_fails_is_counted_as_an_error(tokenizer: TextTokenizer, stop: list[str]) -> None:
+    """A worker whose vocabulary outgrows the tokenizer's generates ids the tokenizer refuses: the call
+    ends UNAVAILABLE, and the metrics say `error`, as the client was told, not `abort`."""
+    async def main() -> dict[str, float]:
+        async with engine_api(tokenizer, worker_vocab_size=4 * tokenizer.vocab_size) as (target, engine), \
+                EngineClient(target) as client:
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await client.complete(build_request(token_ids=PROMPT, max_tokens=64, stop=stop))
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+            while engine.num_running or engine.num_waiting:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)  # the call's cleanup
+            return finished_counts(engine)
+
+    counts = asyncio.run(asyncio.wait_for(main(), 60))
+    assert counts["error"] == 1 and sum(counts.values()) == 1, counts
