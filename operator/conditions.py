@@ -96,7 +96,7 @@ def readiness(desired_replicas: int, engine: Rollout | None, tokenizer: Rollout 
         if not state.observed or state.updated < wanted or state.existing > state.updated:
             return Condition(READY, False, "Progressing",
                              f"rolling out: {state.updated if state.observed else 0} of {wanted} {role} replicas "
-                             "run the current spec (the others still serve the previous one)")
+                             f"run the current spec; {state.available} available")
     if engine.available < desired_replicas:
         return Condition(READY, False, "Progressing",
                          f"{engine.available} of {desired_replicas} engine replicas available")

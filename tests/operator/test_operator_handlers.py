@@ -119,7 +119,8 @@ def test_ready_waits_for_a_rollout_and_names_one_that_stopped(operator: Any, api
     # A new pod template: the old replicas still serve, but the spec is not rolled out yet.
     set_rollout(api, "zeta-engine", updated=1, available=2)
     rolling = wait_for(lambda: (c := condition(api, "zeta", "Ready")) and c["status"] == "False" and c, "Ready=False")
-    assert rolling["reason"] == "Progressing" and rolling["message"].startswith("rolling out: 1 of 2 engine replicas")
+    assert rolling["reason"] == "Progressing"
+    assert rolling["message"] == "rolling out: 1 of 2 engine replicas run the current spec; 2 available"
 
     # The tokenizer rolls with a surge: a new pod exists beside the old one, which alone is available.
     set_rollout(api, "zeta-engine", updated=2, available=2)
