@@ -134,7 +134,9 @@ def test_names_yaml_would_read_as_booleans_stay_strings(chart: Any) -> None:
 
 
 @pytest.mark.parametrize("values", [pytest.param({}, id="defaults"),
-                                    pytest.param({**values_for(SPEC), "operator": {"enabled": True}}, id="full")])
+                                    pytest.param({**values_for(SPEC), "operator": {"enabled": True}}, id="full"),
+                                    pytest.param({"operator": {"enabled": True, "watchNamespace": "serving"}},
+                                                 id="operator-one-namespace")])
 @pytest.mark.parametrize("version", ["1.33", "1.37"])
 def test_every_rendered_object_validates_strictly(chart: Any, values: dict[str, Any], version: str) -> None:
     objects = rendered(chart, values)
@@ -185,6 +187,24 @@ def test_operator_is_opt_in_and_reads_no_secrets(chart: Any) -> None:
         assert {"get", "list", "watch", "create", "patch"} <= verbs, child
     args = objects["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[:4] == ["run", "--standalone", "-m", "prefixcache.operator.handlers"]
+
+
+def test_an_operator_watching_one_namespace_gets_rights_only_there(chart: Any) -> None:
+    values = {"operator": {"enabled": True, "watchNamespace": "team-a"}, "stack": {"enabled": False}}
+    objects = {o["kind"]: o for o in rendered(chart, values, namespace="ops")}
+    assert set(objects) == {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Deployment"}
+    cluster_wide = {r for rule in objects["ClusterRole"]["rules"] for r in rule["resources"]}
+    assert cluster_wide == {"namespaces", "customresourcedefinitions"}
+    role, binding = objects["Role"], objects["RoleBinding"]
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "team-a"
+    in_namespace = {r for rule in role["rules"] for r in rule["resources"]}
+    assert {"prefixcachedeployments", "prefixcachedeployments/status", "deployments", "services", "configmaps",
+            "events"} <= in_namespace and "secrets" not in in_namespace
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "chat-operator", "namespace": "ops"}]
+    args = objects["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=team-a" in args
 
 
 def test_chart_crd_is_the_operator_crd() -> None:

@@ -122,3 +122,27 @@ imagePullSecrets:
 {{- end }}
 {{- end }}
 {{- end }}
+
+{{/* What the operator does inside the namespaces it watches. */}}
+{{- define "prefixcache.operatorNamespacedRules" -}}
+- apiGroups: [prefixcache.dev]
+  resources: [prefixcachedeployments]
+  verbs: [get, list, watch, patch]
+- apiGroups: [prefixcache.dev]
+  resources: [prefixcachedeployments/status]
+  verbs: [get, patch]
+# Children carry blockOwnerDeletion; where OwnerReferencesPermissionEnforcement is on (OpenShift),
+# setting it needs update on the owner's finalizers.
+- apiGroups: [prefixcache.dev]
+  resources: [prefixcachedeployments/finalizers]
+  verbs: [update]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [""]
+  resources: [services, configmaps]
+  verbs: [get, list, watch, create, patch]  # watched: a deleted or changed child is put back
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end }}
