@@ -207,6 +207,14 @@ def test_an_operator_watching_one_namespace_gets_rights_only_there(chart: Any) -
     assert "--namespace=team-a" in args
 
 
+def test_a_new_chart_version_alone_rolls_no_pod(chart: Any) -> None:
+    deployments = [o for o in rendered(chart, {"operator": {"enabled": True}}) if o["kind"] == "Deployment"]
+    assert len(deployments) == 3
+    for deployment in deployments:
+        assert "helm.sh/chart" in deployment["metadata"]["labels"]
+        assert "helm.sh/chart" not in deployment["spec"]["template"]["metadata"]["labels"]
+
+
 def test_chart_crd_is_the_operator_crd() -> None:
     chart_copy = CHART / "crds" / "prefixcachedeployments.yaml"
     assert chart_copy.read_bytes() == (REPO / "operator" / "crd.yaml").read_bytes()

@@ -5,10 +5,16 @@ app.kubernetes.io/instance: {{ .root.Release.Name | quote }}
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
-{{- define "prefixcache.labels" -}}
+{{/* Pod templates leave out the chart's version: a chart upgrade that changes nothing else must not
+roll every (GPU) pod. */}}
+{{- define "prefixcache.podLabels" -}}
 {{ include "prefixcache.selectorLabels" . }}
 app.kubernetes.io/part-of: prefixcache
 app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+{{- end }}
+
+{{- define "prefixcache.labels" -}}
+{{ include "prefixcache.podLabels" . }}
 helm.sh/chart: {{ .root.Chart.Name }}-{{ .root.Chart.Version }}
 {{- end }}
 
