@@ -194,10 +194,12 @@ class EngineServicer(pb_grpc.EngineServicer):
         stream = _Stream(request_id, self._engine, detokenizer, list(request.sampling.stop))
         self._request_spans.add(request_id, span)
         failed = False  # the call ends UNAVAILABLE for a fault of ours the engine did not see
+        lost = False  # the engine lost the worker: it ended the request and counted it
         try:
             async for response in stream.responses(outputs):
                 yield response
-        except EngineUnavailable as error:  # the engine lost the worker: it ended and counted the request
+        except EngineUnavailable as error:
+            lost = True
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         except TokenizerMismatch as error:
             failed = True
@@ -213,7 +215,7 @@ class EngineServicer(pb_grpc.EngineServicer):
                 await outputs.aclose()
                 for output in abandoned:
                     stream.absorb(output)
-                stream.count_unread_finish(FINISH_ERROR if failed else None)
+                stream.end_unread(FINISH_ERROR if failed or lost else None, count=not lost)
             self._request_spans.remove(request_id)
             await stream.close()
             stream.annotate(span)
@@ -377,6 +379,7 @@ class _Stream:
         # `counts_own_finish`): as the client was told, which a stop string or a failed tokenizer
         # can make differ from the reason the engine finished it for.
         self._engine_finish_reason: str | None = None  # of the final output, once absorbed
+        self._unread_reason: str | None = None  # why a stream that ended without its final response ended
         self.finished = False
         self.last: RequestOutput | None = None
         self.account: CacheAccount | None = None
@@ -415,14 +418,13 @@ class _Stream:
         self._engine.metrics.request_finished(reason)
         return self._response(output, text, reason, with_tokens)
 
-    def count_unread_finish(self, told: str | None = None) -> None:
-        """For a stream that ended without its final response: count `told`, what the call ended
-        with, if the servicer failed it; otherwise (cancelled, deadline) the reason of the engine's
-        final output, absorbed since, if there was one (none: the engine lost the worker and
-        counted the request itself)."""
-        reason = told or (FINISH_STOP if self._stops.stopped else self._engine_finish_reason)
-        if reason is not None:
-            self._engine.metrics.request_finished(reason)
+    def end_unread(self, told: str | None, count: bool = True) -> None:
+        """For a stream that ended without its final response: its reason is `told`, what the call
+        ended with, if it failed; otherwise (cancelled, deadline) the reason of the engine's final
+        output, absorbed since, if there was one. Counted unless the engine counted it already."""
+        self._unread_reason = told or (FINISH_STOP if self._stops.stopped else self._engine_finish_reason)
+        if count and self._unread_reason is not None:
+            self._engine.metrics.request_finished(self._unread_reason)
 
     def _response(self, output: RequestOutput, text: str, reason: str | None,
                   with_tokens: bool = True) -> pb.GenerateResponse:
@@ -450,8 +452,8 @@ class _Stream:
     def annotate(self, span: trace.Span) -> None:
         """Usage, cache account and evictions on the request's span (hashes only, never text).
 
-        A stream that ended before its final output (cancelled, deadline, error) reports the tokens
-        it delivered and finish reason "abort"."""
+        A stream that ended before its final response reports the tokens it delivered and the
+        reason it was counted under ("error" for a failed call, "abort" for a client that left)."""
         span.set_attribute("gen_ai.usage.output_tokens", self.delivered_tokens)
         if self.account is not None:
             span.set_attribute("gen_ai.usage.cache_read.input_tokens", self.account.hit_tokens)
@@ -460,13 +462,13 @@ class _Stream:
         elif self.finished and self.last is not None and self.last.finish_reason is not None:
             reason = self.last.finish_reason
         else:
-            reason = "abort"
+            reason = self._unread_reason or FINISH_ABORT
         span.set_attribute("gen_ai.response.finish_reasons", [reason])
         if self.account is not None:
             span.set_attribute("prefix_cache.blocks_queried", self.account.queried_blocks)
             span.set_attribute("prefix_cache.blocks_matched", self.account.hit_blocks)
             span.set_attribute("prefix_cache.miss_reason", self.account.miss_reason)
-        for batch in self.evictions:
+        for batch in self.evictions if span.is_recording() else ():
             span.add_event("prefix_cache.eviction", eviction_attributes(batch), timestamp=batch.evicted_at_ns)
 
     def absorb(self, output: RequestOutput | None) -> None:
@@ -486,12 +488,14 @@ MAX_HASHES_PER_EVICTION_EVENT = 256
 
 def eviction_attributes(batch: EvictionBatch) -> dict[str, int | list[str]]:
     """One span event per allocation that evicted: how many blocks, which hashes (the first
-    `MAX_HASHES_PER_EVICTION_EVENT`, LRU order), and the requests whose tokens had filled them."""
-    hashes = batch.block_hashes[:MAX_HASHES_PER_EVICTION_EVENT]
+    `MAX_HASHES_PER_EVICTION_EVENT`, LRU order), and the requests whose tokens had filled those
+    blocks (each once). Both lists stay bounded: an allocation that evicts thousands of blocks
+    stored by as many requests must not make a span too large to export."""
+    listed = slice(MAX_HASHES_PER_EVICTION_EVENT)
     return {
         "prefix_cache.evicted_blocks": len(batch),
-        "prefix_cache.block_hashes": [block_hash.hex() for block_hash in hashes],
-        "prefix_cache.storing_request_ids": list(dict.fromkeys(batch.storing_request_ids)),
+        "prefix_cache.block_hashes": [block_hash.hex() for block_hash in batch.block_hashes[listed]],
+        "prefix_cache.storing_request_ids": list(dict.fromkeys(batch.storing_request_ids[listed])),
     }
 
 

@@ -10,11 +10,23 @@ import re
 import grpc
 import pytest
 from grpc import aio
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from prefixcache.protos.engine.v1 import engine_pb2 as pb
 from prefixcache.services.common.engine_client import Completion, EngineClient, build_request
-from prefixcache.services.scheduler.engine_service import (MAX_CACHE_SALT_BYTES, MAX_REQUEST_ID_BYTES, MAX_STOP_STRING_CHARS,
-                                                           MAX_STOP_STRINGS, MAX_TENANT_BYTES)
+from prefixcache.services.scheduler import engine_service
+from prefixcache.services.scheduler.engine_service import (
+    MAX_CACHE_SALT_BYTES,
+    MAX_HASHES_PER_EVICTION_EVENT,
+    MAX_REQUEST_ID_BYTES,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TENANT_BYTES,
+    eviction_attributes,
+)
+from prefixcache.services.scheduler.kv_cache import EvictionBatch
 from prefixcache.services.scheduler.tokenizer_client import StreamingDetokenizer
 from prefixcache.services.tokenizer.text import TextTokenizer
 
@@ -327,9 +339,15 @@ def test_what_every_response_or_token_would_carry_is_bounded(tokenizer: TextToke
 
 
 @pytest.mark.parametrize("stop", [[], ["never appears"]], ids=["engine-counts", "servicer-counts"])
-def test_a_stream_the_tokenizer_fails_is_counted_as_an_error(tokenizer: TextTokenizer, stop: list[str]) -> None:
+def test_a_stream_the_tokenizer_fails_is_counted_as_an_error(tokenizer: TextTokenizer, stop: list[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker whose vocabulary outgrows the tokenizer's generates ids the tokenizer refuses: the call
-    ends UNAVAILABLE, and the metrics say `error`, as the client was told, not `abort`."""
+    ends UNAVAILABLE, and the metrics and the request's span say `error`, as the client was told."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(engine_service, "_tracer", provider.get_tracer("test"))
+
     async def main() -> dict[str, float]:
         async with engine_api(tokenizer, worker_vocab_size=4 * tokenizer.vocab_size) as (target, engine), \
                 EngineClient(target) as client:
@@ -343,3 +361,18 @@ def test_a_stream_the_tokenizer_fails_is_counted_as_an_error(tokenizer: TextToke
 
     counts = asyncio.run(asyncio.wait_for(main(), 60))
     assert counts["error"] == 1 and sum(counts.values()) == 1, counts
+    (span,) = [span for span in exporter.get_finished_spans() if span.name == "generate"]
+    assert span.attributes["gen_ai.response.finish_reasons"] == ("error",)
+
+
+def test_an_eviction_event_lists_a_bounded_number_of_blocks_and_their_storers() -> None:
+    """One allocation can evict thousands of blocks stored by as many requests: the event lists the
+    first blocks and exactly the requests that stored those, each once."""
+    storers = [f"request-{i // 2}" for i in range(4000)]  # two blocks each
+    batch = EvictionBatch("taker", "allocation", list(range(4000)), [i.to_bytes(32, "big") for i in range(4000)],
+                          storers, evicted_at_ns=0)
+    attributes = eviction_attributes(batch)
+    assert attributes["prefix_cache.evicted_blocks"] == 4000
+    assert len(attributes["prefix_cache.block_hashes"]) == MAX_HASHES_PER_EVICTION_EVENT
+    assert attributes["prefix_cache.storing_request_ids"] == [f"request-{i}" for i in
+                                                              range(MAX_HASHES_PER_EVICTION_EVENT // 2)]
