@@ -88,8 +88,8 @@ def _configured_exporters() -> list[Any]:
     """The span exporters the environment asks for (none when nothing is configured)."""
     if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return []
-    names = os.environ.get("OTEL_TRACES_EXPORTER")
-    if names is None:
+    names = os.environ.get("OTEL_TRACES_EXPORTER", "").strip()
+    if not names:  # the OpenTelemetry spec: an empty value means unset
         endpoint_set = any(
             os.environ.get(var) for var in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
         )

@@ -33,6 +33,13 @@ def test_an_otlp_endpoint_alone_turns_otlp_on(monkeypatch: pytest.MonkeyPatch) -
     assert [type(e) for e in _configured_exporters()] == [OTLPSpanExporter]
 
 
+def test_an_empty_exporter_setting_counts_as_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", " ")
+    assert _configured_exporters() == []
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317")
+    assert [type(e) for e in _configured_exporters()] == [OTLPSpanExporter]
+
+
 def test_exporters_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console, otlp")
     assert [type(e) for e in _configured_exporters()] == [ConsoleSpanExporter, OTLPSpanExporter]
