@@ -221,6 +221,7 @@ def test_a_request_cancelled_before_its_first_token_still_reports_its_cache_look
                "the scheduler exported no server span for the call")
     server = next(s for s in spans_of_trace(log, trace_id) if s["name"].endswith("Engine/Generate"))
     assert server["attributes"]["rpc.grpc.status_code"] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert server["status"]["status_code"] == "ERROR"  # a server span's error, by OpenTelemetry's gRPC conventions
 
 
 def test_health_checks_make_no_spans(platform: LocalPlatform) -> None:
@@ -252,5 +253,6 @@ def test_a_refused_request_span_names_the_failure_without_quoting_the_request(pl
     assert tokenize["attributes"]["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     server = next(s for s in spans if s["name"] == "prefixcache.engine.v1.Engine/Generate")
     assert server["attributes"]["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert server["status"]["status_code"] == "UNSET"  # the caller's mistake, not the server's fault
     assert not any(event["name"] == "exception" for span in spans for event in span["events"])
     assert "Zanzibar" not in json.dumps(spans)  # neither the role nor the text, in any span

@@ -170,7 +170,7 @@ class ServerTracingInterceptor(aio.ServerInterceptor):
 @contextlib.contextmanager
 def _server_span(method: str, call: aio.ServicerContext, **options: Any) -> Iterator[trace.Span]:
     """A call's server span, ending with the call's gRPC status on it."""
-    with quiet_span(tracer(__name__), method, kind=trace.SpanKind.SERVER,
+    with quiet_span(tracer(__name__), method, kind=trace.SpanKind.SERVER, marks_errors=False,
                     attributes={"rpc.system": "grpc", "rpc.method": method}, **options) as span:
         error = None
         try:
@@ -182,10 +182,18 @@ def _server_span(method: str, call: aio.ServicerContext, **options: Any) -> Iter
             _set_status_code(span, call, error)
 
 
+# The codes that make a server span an error (OpenTelemetry's gRPC conventions): the server's
+# faults. A refused argument, a missing entity or a client that left are the caller's business.
+_SERVER_ERROR_CODES = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                 grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL,
+                                 grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS})
+
+
 def _set_status_code(span: trace.Span, context: aio.ServicerContext, error: BaseException | None) -> None:
     """The call's gRPC status on its span (OpenTelemetry's `rpc.grpc.status_code`): the one the
     handler set or aborted with; else OK, DEADLINE_EXCEEDED or CANCELLED for a call that ran out of
-    time or that the client left, UNKNOWN for a crash."""
+    time or that the client left, UNKNOWN for a crash. The span is an error for the server's faults
+    only (`_SERVER_ERROR_CODES`), described by the code's name, never by a message."""
     code = context.code()
     if not isinstance(code, grpc.StatusCode):
         if error is None:
@@ -197,21 +205,26 @@ def _set_status_code(span: trace.Span, context: aio.ServicerContext, error: Base
         else:
             code = grpc.StatusCode.UNKNOWN
     span.set_attribute("rpc.grpc.status_code", code.value[0])
+    if code in _SERVER_ERROR_CODES:
+        span.set_status(trace.Status(trace.StatusCode.ERROR, code.name))
 
 
 @contextlib.contextmanager
-def quiet_span(span_tracer: trace.Tracer, name: str, *, current: bool = True, **options: Any) -> Iterator[trace.Span]:
+def quiet_span(span_tracer: trace.Tracer, name: str, *, current: bool = True, marks_errors: bool = True,
+               **options: Any) -> Iterator[trace.Span]:
     """A span like `start_as_current_span`'s, but a failure marks it ERROR naming only the exception's
     type: messages and stack traces can quote what a request contained (a chat template's complaint,
     a bad value), and spans leave the process. With `current=False` the span is not made current
-    (for a body that yields: see `iterate_in_context`)."""
+    (for a body that yields: see `iterate_in_context`); with `marks_errors=False` the caller sets
+    the status itself."""
     options.update(record_exception=False, set_status_on_exception=False)
     starting = span_tracer.start_as_current_span(name, **options) if current else _ended(span_tracer.start_span(name, **options))
     with starting as span:
         try:
             yield span
         except Exception as error:
-            span.set_status(trace.Status(trace.StatusCode.ERROR, type(error).__name__))
+            if marks_errors:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, type(error).__name__))
             raise
 
 
