@@ -68,9 +68,12 @@ class ModelConfig:
                              "use float32, float16 or bfloat16 weights")
         hidden_size = _positive_int(raw, "hidden_size", source)
         num_heads = _positive_int(raw, "num_attention_heads", source)
-        num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
-        head_dim = int(raw.get("head_dim") or hidden_size // num_heads)
-        if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        # Absent or null means what transformers makes of it (no GQA; hidden_size / heads); a value
+        # given must be a positive integer.
+        num_kv_heads = num_heads if raw.get("num_key_value_heads") is None else \
+            _positive_int(raw, "num_key_value_heads", source)
+        head_dim = hidden_size // num_heads if raw.get("head_dim") is None else _positive_int(raw, "head_dim", source)
+        if num_heads % num_kv_heads:
             raise ValueError(f"{source}: num_attention_heads={num_heads} is not a multiple of "
                              f"num_key_value_heads={num_kv_heads}")
         if head_dim % 2:

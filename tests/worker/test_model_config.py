@@ -93,6 +93,8 @@ def test_derived_defaults() -> None:
         ({"hidden_size": 0}, "hidden_size must be a positive integer"),
         ({"vocab_size": "many"}, "vocab_size"),
         ({"num_key_value_heads": 3}, "not a multiple"),
+        ({"num_key_value_heads": 0}, "num_key_value_heads must be a positive integer"),
+        ({"head_dim": 0}, "head_dim must be a positive integer"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks low_freq_factor"),
