@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -80,6 +82,29 @@ def test_a_reader_that_goes_away_ends_generate_quietly(target: str) -> None:
     stderr = process.stderr.read()
     assert process.wait(timeout=120) == 1
     assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_ctrl_c_ends_a_streaming_command_quietly_and_frees_the_request(target: str, command: str) -> None:
+    prompt = ["Tell me a long story"] if command == "generate" else []
+    process = subprocess.Popen(
+        [sys.executable, "-m", "prefixcache.services.cli.main", command, *prompt, "--target", target,
+         "--max-tokens", "400", "--ignore-eos", "--temperature", "0"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    if command == "chat":
+        process.stdin.write("Tell me a long story\n")
+        process.stdin.flush()
+    assert process.stdout.read(12)  # streaming has begun
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGINT
+    assert "Traceback" not in stderr and "interrupted" in stderr, stderr
+    assert "you>" not in stdout  # piped turns are not prompted for
+    deadline = time.monotonic() + 30
+    while (stats := json.loads(prefixcache("stats", "--target", target, "--json").stdout))["used_blocks"]:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.2)
 
 
 def test_logprobs_without_json_is_refused_before_any_call() -> None:

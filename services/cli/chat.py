@@ -36,12 +36,14 @@ def run(args: argparse.Namespace) -> int:
     if args.system is not None:
         history.append(("system", args.system))
 
+    prompt = "you> " if sys.stdin.isatty() else ""  # piped turns need no prompt in the transcript
+
     async def main() -> int:
         failed = False
         async with EngineClient(args.target) as engine:
             while True:
                 try:
-                    line = input("you> ")
+                    line = input(prompt)
                 except EOFError:
                     print()
                     return 1 if failed else 0

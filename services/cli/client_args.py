@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Awaitable, Callable
 
@@ -57,7 +58,9 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
 
 
 def report_rpc_errors(main: Callable[[], Awaitable[int]]) -> int:
-    """Run `main`; a failed call prints the server's status code and message and exits 1."""
+    """Run `main`; a failed call prints the server's status code and message and exits 1. Ctrl-C
+    ends it quietly with the shell's status for SIGINT (closing the channel cancels the request,
+    and the server frees its blocks)."""
     import asyncio
 
     try:
@@ -65,3 +68,6 @@ def report_rpc_errors(main: Callable[[], Awaitable[int]]) -> int:
     except grpc.aio.AioRpcError as error:
         print(f"error: {error.code().name}: {error.details()}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
