@@ -39,8 +39,10 @@ class ServiceProcess:
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)  # added to this process's environment
     process: subprocess.Popen | None = None
+    log_start: int = 0  # where this run's lines begin: a reused log directory keeps earlier runs'
 
     def start(self) -> None:
+        self.log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "prefixcache.services.cli.main", *self.argv],
@@ -78,8 +80,11 @@ class ServiceProcess:
             return self.process.returncode
 
     def log_tail(self, lines: int = 20) -> str:
+        """The last lines this run wrote."""
         try:
-            text = self.log_path.read_text(errors="replace")
+            with open(self.log_path, "rb") as log:
+                log.seek(self.log_start)
+                text = log.read().decode(errors="replace")
         except FileNotFoundError:
             return ""
         return "\n".join(text.splitlines()[-lines:])

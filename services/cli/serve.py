@@ -19,6 +19,7 @@ from typing import TypeVar
 
 import grpc
 
+from prefixcache.services.cli.arg_types import bounded_int
 from prefixcache.services.cli.launcher import LocalPlatform, PlatformConfig, default_log_dir
 from prefixcache.services.common.engine_client import Completion, EngineClient, build_request
 from prefixcache.services.common.grpc_server import set_on_signals
@@ -48,10 +49,10 @@ DEMO_QUESTIONS = ("What is the capital of France?", "What is two plus two?")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--port", type=int, default=50051, help="Engine API port (default 50051)")
+    parser.add_argument("--port", type=bounded_int(1, 65535), default=50051, help="Engine API port (default 50051)")
     parser.add_argument("--host", default="localhost", help="Engine API address (default localhost)")
     parser.add_argument("--model-dir", type=Path, help="Hugging Face model directory (default: the embedded model)")
-    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     parser.add_argument("--device", default="cpu", help="the worker's torch device (cpu, cuda)")
     parser.add_argument("--attention-backend", help="the worker's attention kernels by name (default: per device)")
     parser.add_argument("--kv-cache-memory", default="1GiB",
@@ -64,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-waiting", type=int, help="waiting requests at most (default: the scheduler's)")
     parser.add_argument("--max-model-len", type=int, help="prompt + output at most (default: the scheduler's)")
-    parser.add_argument("--metrics-port", type=int, help="serve the scheduler's Prometheus metrics on this port")
+    parser.add_argument("--metrics-port", type=bounded_int(1, 65535), help="serve the scheduler's Prometheus metrics on this port")
     parser.add_argument("--log-dir", type=Path, help="where the services write their logs")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for all services")
     parser.add_argument("--grace", type=float, default=15.0, help="seconds in-flight requests get on shutdown")

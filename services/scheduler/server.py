@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
 from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
-from prefixcache.services.common.grpc_server import Servicer, configure_logging, run_server
+from prefixcache.services.common.grpc_server import Servicer, configure_logging, listen_port, run_server
 from prefixcache.services.common.tracing import SpanRegistry
 from prefixcache.services.scheduler.engine_core import EngineCore, SchedulerConfig, WorkerUnavailable
 from prefixcache.services.scheduler.engine_service import SERVICE_NAME, EngineServicer
@@ -31,7 +31,7 @@ ABORTED_STREAMS_CLOSE_S = 2.0  # how long streams aborted at the end of the grac
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = SchedulerConfig()
-    parser.add_argument("--port", type=int, default=50051, help="Engine API port")
+    parser.add_argument("--port", type=listen_port, default=50051, help="Engine API port")
     parser.add_argument("--host", default="[::]", help="address to bind (default: all interfaces)")
     parser.add_argument("--tokenizer", required=True, metavar="HOST:PORT", help="tokenizer service")
     parser.add_argument("--worker", required=True, metavar="HOST:PORT", help="worker service")
@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-waiting", type=int, default=defaults.max_waiting, help="waiting requests at most")
     parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len, help="prompt + output at most")
-    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    parser.add_argument("--metrics-port", type=listen_port, default=None, help="serve Prometheus metrics on this port")
     parser.add_argument("--grace", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM")
     parser.add_argument("--log-level", default="INFO")
 

@@ -15,7 +15,7 @@ from grpc import aio
 
 from prefixcache.protos.tokenizer.v1 import tokenizer_pb2 as pb
 from prefixcache.protos.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
-from prefixcache.services.common.grpc_server import Servicer, configure_logging, run_server
+from prefixcache.services.common.grpc_server import Servicer, configure_logging, listen_port, run_server
 from prefixcache.services.tokenizer.text import ChatTemplateError, ChatTurn, IncrementalDetokenizer, TextTokenizer
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tokenizer"].full_name
@@ -79,7 +79,7 @@ def servicer(tokenizer: TextTokenizer) -> Servicer:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--port", type=int, default=50053, help="port to listen on (0: any free port)")
+    parser.add_argument("--port", type=listen_port, default=50053, help="port to listen on (0: any free port)")
     parser.add_argument("--host", default="[::]", help="address to bind (default: all interfaces)")
     parser.add_argument("--model-dir", type=Path, help="model directory with tokenizer.json (default: the embedded model)")
     parser.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on SIGTERM")

@@ -19,7 +19,7 @@ from grpc import aio
 from prefixcache.protos.worker.v1 import worker_pb2 as pb
 from prefixcache.protos.worker.v1 import worker_pb2_grpc as pb_grpc
 from prefixcache.services.common.compute_thread import ComputeThread
-from prefixcache.services.common.grpc_server import Servicer, configure_logging, run_server
+from prefixcache.services.common.grpc_server import Servicer, configure_logging, listen_port, run_server
 from prefixcache.services.common.step_codec import output_to_proto, step_from_proto
 
 if TYPE_CHECKING:
@@ -110,10 +110,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--port", type=int, default=50052, help="port to listen on")
+    parser.add_argument("--port", type=listen_port, default=50052, help="port to listen on")
     parser.add_argument("--host", default="[::]", help="address to bind (default: all interfaces)")
     parser.add_argument("--model-dir", type=Path, help="Hugging Face model directory (default: the embedded model)")
-    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
         "--kv-cache-memory",

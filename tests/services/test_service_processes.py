@@ -85,6 +85,29 @@ def test_a_service_under_serve_ignores_ctrl_c_and_survives_repeated_sigterms(mod
         service.kill()
 
 
+@pytest.mark.parametrize("command", [["serve", "--port", "70000"], ["serve", "--port", "0"],
+                                     ["serve", "--metrics-port", "65536"], ["worker", "--port", "70000"],
+                                     ["scheduler", "--metrics-port", "-1"], ["tokenizer", "--port", "65536"]])
+def test_a_port_out_of_range_is_a_usage_error(command: list[str]) -> None:
+    """gRPC would listen on the number modulo 65536; `serve` must also know its port (no 0)."""
+    result = subprocess.run([sys.executable, "-m", "prefixcache.services.cli.main", *command],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert f"{command[1]}: " in result.stderr and "must be in [" in result.stderr, result.stderr
+
+
+def test_a_failed_start_shows_this_runs_log_lines_only(tmp_path: Path) -> None:
+    """A reused log directory keeps earlier runs' lines: the error shown must not quote them."""
+    log = tmp_path / "tokenizer.log"
+    log.write_text("an error from an earlier run\n")
+    missing = tmp_path / "no-such-model"
+    service = ServiceProcess("tokenizer", ["tokenizer", "--port", "0", "--model-dir", str(missing)], "", log)
+    service.start()
+    assert service.wait(timeout_s=60) == 1
+    assert "earlier run" not in service.log_tail() and str(missing) in service.log_tail()
+    assert "earlier run" in log.read_text()  # kept, not overwritten
+
+
 def test_the_tokenizer_reports_a_model_dir_without_tokenizer_json_in_one_line(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "prefixcache.services.cli.main", "tokenizer", "--port", "0",
                              "--model-dir", str(tmp_path)], capture_output=True, text=True, timeout=60)
