@@ -75,6 +75,9 @@ class ModelRunner:
     def __init__(self, model_dir: str | Path, dtype: str = "float32", device: str = "cpu",
                  attention_backend: str | None = None, num_threads: int | None = None) -> None:
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} was asked for, but this machine has no CUDA device "
+                             "(or torch was built without CUDA); use --device cpu")
         if self.device.type == "cpu":
             # torch defaults to every physical core of the host; use the cores this process may run on.
             torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))

@@ -248,3 +248,9 @@ def test_loading_reports_progress_a_line_per_quarter(tmp_path: Path) -> None:
     percents = [int(line.split(":")[1].split("%")[0]) for line in lines]
     assert all(line.startswith("loading weights: ") and line.endswith(" MiB)") for line in lines), lines
     assert percents == sorted(percents) and percents[-1] == 100 and len(lines) >= 4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_asking_for_cuda_without_it_names_the_device_not_a_kernel(tiny_dir: Path) -> None:
+    with pytest.raises(ValueError, match="no CUDA device .* use --device cpu"):
+        ModelRunner(tiny_dir, device="cuda")
