@@ -14,6 +14,7 @@ block 0 only `["salt", salt]`, in that order. `H` is sha256 (32 bytes) or seeded
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import re
@@ -35,6 +36,22 @@ MAX_BLOCK_SIZE = 1 << 16
 MAX_PYTHONHASHSEED = 4_294_967_295  # CPython's own limit: it refuses to start with a larger value
 
 BlockHash = NewType("BlockHash", bytes)
+
+
+def is_valid_block_size(block_size: object) -> bool:
+    """A power of two in [1, MAX_BLOCK_SIZE]."""
+    return _is_int(block_size) and 1 <= block_size <= MAX_BLOCK_SIZE and not block_size & (block_size - 1)
+
+
+def block_size_arg(text: str) -> int:
+    """An argparse type for a block size, so that a command refuses a bad one before it starts anything."""
+    try:
+        block_size = int(text)
+    except ValueError:
+        block_size = None
+    if not is_valid_block_size(block_size):
+        raise argparse.ArgumentTypeError(f"must be a power of two in [1, {MAX_BLOCK_SIZE}], got {text!r}")
+    return block_size
 
 # The order extra items must appear in, by tag (several "mm" items keep their token order).
 _EXTRA_TAG_ORDER = {"lora": 0, "mm": 1, "embeds": 2, "salt": 3}
@@ -181,7 +198,7 @@ class BlockHasher:
 
     def __init__(self, block_size: int = 16, algo: str = "sha256", model_id: str | None = None,
                  *, seed: int | None = None) -> None:
-        if not _is_int(block_size) or block_size < 1 or block_size & (block_size - 1) or block_size > MAX_BLOCK_SIZE:
+        if not is_valid_block_size(block_size):
             raise ValueError(f"block_size must be a power of two in [1, {MAX_BLOCK_SIZE}], got {block_size!r}")
         if algo not in HASH_ALGOS:
             raise ValueError(f"hash algo must be one of {', '.join(HASH_ALGOS)}; got {algo!r}")

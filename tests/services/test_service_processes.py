@@ -96,6 +96,14 @@ def test_a_port_out_of_range_is_a_usage_error(command: list[str]) -> None:
     assert f"{command[1]}: " in result.stderr and "must be in [" in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("command", [["serve", "--block-size", "3"], ["serve", "--hash-algo", "md5"],
+                                     ["scheduler", "--tokenizer", "t:1", "--worker", "w:1", "--block-size", "0"]])
+def test_cache_settings_are_checked_before_anything_starts(command: list[str]) -> None:
+    result = subprocess.run([sys.executable, "-m", "prefixcache.services.cli.main", *command],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and f"argument {command[-2]}: " in result.stderr, result.stderr
+
+
 def test_a_failed_start_shows_this_runs_log_lines_only(tmp_path: Path) -> None:
     """A reused log directory keeps earlier runs' lines: the error shown must not quote them."""
     log = tmp_path / "tokenizer.log"
