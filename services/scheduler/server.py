@@ -97,7 +97,12 @@ async def serve(args: argparse.Namespace) -> int:
         if args.metrics_port is not None:
             from prometheus_client import start_http_server
 
-            start_http_server(args.metrics_port, addr=metrics_address(args.host), registry=engine.metrics.registry)
+            address = metrics_address(args.host)
+            try:
+                start_http_server(args.metrics_port, addr=address, registry=engine.metrics.registry)
+            except OSError as error:
+                raise RuntimeError(f"cannot serve metrics on {address}:{args.metrics_port} (--metrics-port): "
+                                   f"{error.strerror or error}") from None
 
     async def stop_engine(grace_s: float) -> None:
         deadline = asyncio.get_running_loop().time() + grace_s
