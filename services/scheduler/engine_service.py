@@ -398,7 +398,11 @@ class _Stream:
                     yield self._final(output, "", with_tokens=False)
                     return
                 continue
-            new_text = await self._detokenizer.push(output.new_token_ids, last=output.finished)
+            # The token that stopped the request (EOS or a stop token id) stays in the ids but adds no
+            # text, as in vLLM: a stop token's text is a delimiter, not part of the answer.
+            stopped_by_token = output.finished and output.finish_reason == FINISH_STOP
+            text_ids = output.new_token_ids[:-1] if stopped_by_token else output.new_token_ids
+            new_text = await self._detokenizer.push(text_ids, last=output.finished)
             text = self._stops.push(new_text, final=output.finished)
             self.delivered_tokens += len(output.new_token_ids)
             if self._stops.stopped:

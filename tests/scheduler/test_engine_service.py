@@ -61,6 +61,23 @@ def test_tokens_generated_after_a_stop_string_matched_are_not_delivered(tokenize
     assert completion.usage.completion_tokens == k + 1
 
 
+def test_a_stop_token_ends_the_ids_but_adds_no_text(tokenizer: TextTokenizer) -> None:
+    """As in vLLM: the stop token id is the last id returned and counted, its text is left out."""
+    generated = reference_generation(PROMPT, 200, tokenizer.vocab_size, frozenset(SPECIAL_IDS))
+    k = next(i for i in range(3, len(generated)) if generated[i] not in generated[:i]
+             and tokenizer.decode(generated[i : i + 1]).strip())
+
+    async def main() -> Completion:
+        async with engine_api(tokenizer) as (target, _engine), EngineClient(target) as client:
+            return await client.complete(build_request(token_ids=PROMPT, max_tokens=200,
+                                                       stop_token_ids=[generated[k]]))
+
+    completion = asyncio.run(asyncio.wait_for(main(), 60))
+    assert completion.finish_reason == "stop"
+    assert completion.token_ids == generated[: k + 1] and completion.usage.completion_tokens == k + 1
+    assert completion.text == tokenizer.decode(generated[:k])
+
+
 def test_an_id_stays_taken_until_its_call_ends_so_a_late_stop_cannot_end_its_namesake(tokenizer: TextTokenizer) -> None:
     generated = reference_generation(PROMPT, 200, tokenizer.vocab_size, frozenset(SPECIAL_IDS))
     k, stop = stop_string_at(tokenizer, generated, 150)
