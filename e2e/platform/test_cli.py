@@ -34,6 +34,10 @@ def test_generate_json_and_stats(target: str, tmp_path: Path) -> None:
     usage = second["usage"]
     assert usage["completion_tokens"] == len(second["token_ids"])
     assert usage["cached_tokens"] == usage["prompt_tokens"] // 16 * 16 - (16 if usage["prompt_tokens"] % 16 == 0 else 0)
+    cache = second["cache"]  # the whole cache account, as the proto defines it
+    assert set(cache) == {"queried_tokens", "hit_tokens", "capped_tokens", "partial_tail_tokens", "miss_reason",
+                          "queried_blocks", "hit_blocks"}
+    assert cache["hit_tokens"] == usage["cached_tokens"] and cache["partial_tail_tokens"] == usage["prompt_tokens"] % 16
 
     stats = prefixcache("stats", "--target", target, "--json")
     assert stats.returncode == 0, stats.stderr

@@ -128,11 +128,7 @@ class Completion:
             },
             "cache": None
             if account is None
-            else {
-                "hit_tokens": account.hit_tokens,
-                "queried_tokens": account.queried_tokens,
-                "miss_reason": account.miss_reason,
-            },
+            else {field.name: getattr(account, field.name) for field in account.DESCRIPTOR.fields},
         }
 
 
