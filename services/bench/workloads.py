@@ -114,12 +114,13 @@ def _rng(workload: str, seed: int) -> random.Random:
 
 
 def _one_turn_requests(workload: str, count: int, options: WorkloadOptions,
-                       prompt: Callable[[int], tuple[int, ...]]) -> list[BenchRequest]:
+                       prompt: Callable[[int], tuple[int, ...]],
+                       tenant: Callable[[int], int] | None = None) -> list[BenchRequest]:
     """`count` independent requests, request i with `prompt(i)` (called in order, so seeded draws
-    stay in the same order) and tenant i modulo the tenant count."""
+    stay in the same order) and tenant `tenant(i)`, by default i modulo the tenant count."""
     return [
         BenchRequest(request_id=f"{workload}-{i}", prompt_token_ids=prompt(i), max_tokens=options.output_len,
-                     tenant=i % options.tenants)
+                     tenant=i % options.tenants if tenant is None else tenant(i))
         for i in range(count)
     ]
 
@@ -218,13 +219,15 @@ def thrash(options: WorkloadOptions) -> list[BenchRequest]:
     `num_thrash_requests` requests in all.
 
     A cyclic scan is LRU's worst case: once the prefixes together exceed the KV cache, each one is
-    evicted before its next visit, so every revisit misses with reason `evicted`.
+    evicted before its next visit, so every revisit misses with reason `evicted`. Each prefix
+    belongs to one tenant: a revisit by another tenant (another salt) would miss as `cold`.
     """
     rng = _rng("thrash", options.seed)
     tokens = _Tokens(rng, options)
     prefixes = [tokens(options.prefix_len) for _ in range(options.thrash_prefixes)]
     return _one_turn_requests("thrash", options.num_thrash_requests, options,
-                              lambda i: prefixes[i % len(prefixes)] + tokens(options.suffix_len.draw(rng)))
+                              lambda i: prefixes[i % len(prefixes)] + tokens(options.suffix_len.draw(rng)),
+                              tenant=lambda i: i % len(prefixes) % options.tenants)
 
 
 GENERATORS: dict[str, Callable[[WorkloadOptions], list[BenchRequest]]] = {

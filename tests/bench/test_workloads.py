@@ -99,6 +99,17 @@ def test_thrash_cycles_through_distinct_prefixes():
     assert len(generate("thrash", replace(SMALL, thrash_requests=4))) == 4
 
 
+@pytest.mark.parametrize("tenants", [2, 3, 5])
+def test_every_visit_to_a_thrash_prefix_comes_from_its_one_tenant(tenants):
+    """A revisit by another tenant would miss as `cold` (another salt), never as `evicted`."""
+    requests = generate("thrash", replace(SMALL, thrash_prefixes=6, thrash_requests=18, tenants=tenants))
+    tenant_of: dict[tuple[int, ...], set[int]] = {}
+    for request in requests:
+        tenant_of.setdefault(request.prompt_token_ids[:64], set()).add(request.tenant)
+    assert len(tenant_of) == 6 and all(len(owners) == 1 for owners in tenant_of.values())
+    assert {owner for owners in tenant_of.values() for owner in owners} == set(range(min(tenants, 6)))
+
+
 def test_poisson_arrivals():
     assert poisson_arrivals(3, math.inf, random.Random(0)) == [0.0, 0.0, 0.0]
     arrivals = poisson_arrivals(4000, 20.0, random.Random(0))
