@@ -1,8 +1,9 @@
 """`prefixcache chat`: an interactive conversation; every turn resends the history, so the previous
 turns come from the prefix cache (the usage line after each reply shows how many tokens).
 
-A turn that fails (the server refused it, or it produced no text) is reported and left out of the
-history, and the conversation goes on; the exit status is 1 if any turn failed.
+A turn the server refuses, or a line that is not UTF-8, is reported, left out of the history, and
+makes the exit status 1; a reply with no text is reported and its turn left out too (an empty
+assistant message could not be sent back). Either way the conversation goes on.
 """
 from __future__ import annotations
 

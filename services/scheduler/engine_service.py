@@ -59,6 +59,7 @@ PUBLIC_FIELDS = {
     "top_k": "sampling.top_k",
     "stop_token_ids": "sampling.stop_token_ids",
     "logprobs": "sampling.logprobs",
+    "multimodal": "multimodal_items",
 }
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer(__name__)
