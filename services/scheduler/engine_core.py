@@ -270,15 +270,17 @@ class EngineCore:
                 "max_tokens",
                 f"prompt ({len(prompt)} tokens) + max_tokens ({request.max_tokens}) exceeds the maximum length {max_len}",
             )
+        # KV slots a request can hold at once: every token but the last one generated, which is
+        # sampled and never fed back.
         block_size = self.config.block_size
-        prompt_blocks = -(-(len(prompt) + 1) // block_size)  # the prompt and its first generated token
+        prompt_blocks = -(-len(prompt) // block_size)
         if prompt_blocks > info.num_kv_blocks:
             raise RequestRejected(
                 "prompt_token_ids",
                 f"the prompt ({len(prompt)} tokens) needs {prompt_blocks} KV blocks; "
                 f"the worker has {info.num_kv_blocks}",
             )
-        blocks_needed = -(-(len(prompt) + request.max_tokens) // block_size)
+        blocks_needed = -(-(len(prompt) + request.max_tokens - 1) // block_size)
         if blocks_needed > info.num_kv_blocks:
             raise RequestRejected(
                 "max_tokens",

@@ -478,3 +478,19 @@ def test_reset_prefix_cache_is_refused_while_blocks_are_held_and_empties_the_cac
         assert outputs[-1].usage.cached_tokens == 0
 
     run(body)
+
+
+def test_a_request_that_fills_the_pool_exactly_is_served_and_one_token_more_is_refused():
+    """A request holds KV for every token but its last, which is sampled and never fed back: on 4
+    blocks of 4, a 16-token prompt may generate 1 token, an 8-token prompt 9."""
+    async def body(engine, worker):
+        for prompt_len, max_tokens in ((16, 1), (8, 9)):
+            prompt = list(range(10, 10 + prompt_len))
+            outputs = await collect(engine.add_request(request(f"fits-{prompt_len}", prompt, max_tokens)))
+            assert tokens_of(outputs) == reference_generation(prompt, max_tokens, VOCAB)
+        for prompt_len, max_tokens, field in ((17, 1, "prompt_token_ids"), (8, 10, "max_tokens")):
+            with pytest.raises(RequestRejected) as refused:
+                engine.add_request(request(f"too-big-{prompt_len}", list(range(10, 10 + prompt_len)), max_tokens))
+            assert refused.value.field == field
+
+    run(body, SimulatedWorker(num_kv_blocks=4, vocab_size=VOCAB))
