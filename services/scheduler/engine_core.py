@@ -131,6 +131,7 @@ class EngineCore:
     async def start(self) -> None:
         self._install_worker(await self._executor.initialize(self.config.block_size))
         self._loop_task = asyncio.create_task(self._step_loop(), name="engine-step-loop")
+        self._loop_task.add_done_callback(self._step_loop_ended)
         self._serving = True
 
     async def shutdown(self, grace_s: float) -> None:
@@ -148,7 +149,21 @@ class EngineCore:
                 await self._loop_task
             except asyncio.CancelledError:
                 pass
+            except Exception:  # it crashed earlier, and `_step_loop_ended` reported it
+                pass
             self._loop_task = None
+
+    def _step_loop_ended(self, task: asyncio.Task[None]) -> None:
+        """The step loop only ends when cancelled. Should a bug end it otherwise, say so loudly and
+        end every stream, rather than leave clients waiting on an engine that no longer steps."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log.critical("the engine's step loop stopped: %r; it no longer serves", task.exception(),
+                     exc_info=task.exception())
+        self._serving = False
+        self._held = {}
+        for request_id in list(self._streams):
+            self._fail_stream(request_id, "the engine stopped serving after an internal error")
 
     @property
     def worker_info(self) -> WorkerInfo | None:

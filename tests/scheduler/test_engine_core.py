@@ -494,3 +494,21 @@ def test_a_request_that_fills_the_pool_exactly_is_served_and_one_token_more_is_r
             assert refused.value.field == field
 
     run(body, SimulatedWorker(num_kv_blocks=4, vocab_size=VOCAB))
+
+
+def test_a_step_loop_that_crashes_ends_every_stream_instead_of_leaving_it_waiting():
+    async def body(engine, worker):
+        async def broken_announcement(available: bool) -> None:
+            raise RuntimeError("a bug in recovery")
+
+        engine.on_worker_availability = broken_announcement
+        stream = engine.add_request(request("streaming", range(700, 720), max_tokens=200))
+        await anext(stream)
+        worker.fail_next_step()
+        with pytest.raises(EngineUnavailable, match="internal error"):
+            await asyncio.wait_for(collect(stream), 5)
+        assert not engine.is_serving
+        with pytest.raises(EngineUnavailable):
+            engine.add_request(request("later", range(10, 20)))
+
+    run(body)
