@@ -236,6 +236,9 @@ class Scheduler:
         for request_id in output.sampled_token_ids:
             if request_id not in step.num_scheduled_tokens:
                 raise ValueError(f"worker sampled for {request_id!r}, which step {step.step_id} did not schedule")
+        # The whole answer is checked before any of it is taken: one that does not fit leaves every
+        # request as it was (no token appended to some), and the engine treats the worker as lost.
+        sampled: list[tuple[Request, int]] = []
         for request_id in step.num_scheduled_tokens:
             request = self._in_flight.get(request_id)
             if request is None or self.requests.get(request_id) is not request:
@@ -246,11 +249,12 @@ class Scheduler:
                 raise ValueError(
                     f"worker {'did not sample' if samples else 'sampled'} for {request_id!r} in step {step.step_id}"
                 )
-            if token_id is None:
-                continue  # mid-way through a chunked prefill
+            if token_id is not None:  # None: mid-way through a chunked prefill
+                sampled.append((request, token_id))
+        for request, token_id in sampled:
             request.append_output_token(token_id)
             finish_reason = self._stop_reason(request, token_id)
-            logprobs = output.logprobs.get(request_id)
+            logprobs = output.logprobs.get(request.request_id)
             outputs.append(self._output(request, [token_id], finish_reason, (logprobs,) if logprobs else ()))
             if finish_reason is not None:
                 self._finish(request)

@@ -284,6 +284,18 @@ def test_a_worker_answer_that_does_not_match_the_step_is_refused():
         scheduler.update_from_output(step, StepOutput(step.step_id, {"zz": 5}))
 
 
+def test_an_answer_that_does_not_fit_changes_no_request():
+    """Checked whole before any of it is taken: no request gets a token from an answer that is
+    refused, so the engine can still run again the requests that streamed nothing."""
+    scheduler = make_scheduler()
+    scheduler.add_request(request("a", range(10)))
+    scheduler.add_request(request("b", range(20, 30)))
+    step = scheduler.schedule()
+    with pytest.raises(ValueError, match="did not sample for 'b'"):
+        scheduler.update_from_output(step, StepOutput(step.step_id, {"a": 5}))
+    assert all(not r.output_token_ids and not r.sent_first_output for r in scheduler.requests.values())
+
+
 def test_drop_all_frees_every_block():
     scheduler = make_scheduler(max_num_seqs=1)
     scheduler.add_request(request("a", range(10)))
