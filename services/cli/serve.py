@@ -20,8 +20,8 @@ from typing import TypeVar
 import grpc
 
 from prefixcache.services.cli.arg_types import bounded_int
-from prefixcache.services.common.block_identity import HASH_ALGOS, block_size_arg
 from prefixcache.services.cli.launcher import LocalPlatform, PlatformConfig, default_log_dir
+from prefixcache.services.common.block_identity import HASH_ALGOS, block_size_arg
 from prefixcache.services.common.engine_client import Completion, EngineClient, build_request
 from prefixcache.services.common.grpc_server import set_on_signals
 

@@ -16,6 +16,7 @@ Pure asyncio: the transport lives in the `StepExecutor` (the gRPC worker client,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -145,12 +146,9 @@ class EngineCore:
                 self.abort(request_id)
         if self._loop_task is not None:
             self._loop_task.cancel()
-            try:
+            # Cancelled now, or crashed earlier (`_step_loop_ended` reported that).
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._loop_task
-            except asyncio.CancelledError:
-                pass
-            except Exception:  # it crashed earlier, and `_step_loop_ended` reported it
-                pass
             self._loop_task = None
 
     def _step_loop_ended(self, task: asyncio.Task[None]) -> None:
@@ -197,8 +195,8 @@ class EngineCore:
 
         `counts_own_finish`: the caller tells `metrics.request_finished` why the request ended (a
         stop string it matched can turn the engine's "length" into "stop", a tokenizer that failed
-        it mid-stream into "error"), so the engine does not
-        count the final output's reason; a request lost with the worker is still counted here."""
+        it mid-stream into "error"), so the engine does not count the final output's reason; a
+        request lost with the worker is still counted here."""
         self.validate(request)
         assert self._scheduler is not None
         if self._scheduler.num_waiting >= self.config.max_waiting:

@@ -2,8 +2,8 @@
 
 Fails before allocating anything when the directory lacks a file, names an architecture we do not
 run, or holds a config we cannot serve; while loading, on a tensor the model has no place for or of
-the wrong shape; after loading, when a weight is missing. Prints a
-progress line while tensors are copied. Never contacts a model hub.
+the wrong shape; after loading, when a weight is missing. Prints a progress line while tensors are
+copied. Never contacts a model hub.
 """
 from __future__ import annotations
 

@@ -68,11 +68,9 @@ class ModelConfig:
                              "use float32, float16 or bfloat16 weights")
         hidden_size = _positive_int(raw, "hidden_size", source)
         num_heads = _positive_int(raw, "num_attention_heads", source)
-        # Absent or null means what transformers makes of it (no GQA; hidden_size / heads); a value
-        # given must be a positive integer.
-        num_kv_heads = num_heads if raw.get("num_key_value_heads") is None else \
-            _positive_int(raw, "num_key_value_heads", source)
-        head_dim = hidden_size // num_heads if raw.get("head_dim") is None else _positive_int(raw, "head_dim", source)
+        # Absent or null means what transformers makes of it: no GQA, hidden_size / heads.
+        num_kv_heads = _optional_positive_int(raw, "num_key_value_heads", num_heads, source)
+        head_dim = _optional_positive_int(raw, "head_dim", hidden_size // num_heads, source)
         if num_heads % num_kv_heads:
             raise ValueError(f"{source}: num_attention_heads={num_heads} is not a multiple of "
                              f"num_key_value_heads={num_kv_heads}")
@@ -119,6 +117,11 @@ def _positive_int(raw: dict[str, Any], key: str, source: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{source}: {key} must be a positive integer, got {value!r}")
     return value
+
+
+def _optional_positive_int(raw: dict[str, Any], key: str, default: int, source: str) -> int:
+    """`default` when the key is absent or null; otherwise it must be a positive integer."""
+    return default if raw.get(key) is None else _positive_int(raw, key, source)
 
 
 def _rope(raw: dict[str, Any], source: str) -> RopeConfig:
