@@ -79,6 +79,7 @@ def test_trace_context_crosses_all_services(platform: LocalPlatform, target: str
     assert attributes["gen_ai.usage.output_tokens"] == completion.usage.completion_tokens == 4
     assert attributes["gen_ai.usage.cache_read.input_tokens"] == completion.usage.cached_tokens
     assert attributes["gen_ai.request.model"].startswith("SmolLM2-135M-Instruct@")
+    assert attributes["gen_ai.provider.name"] == "prefixcache"
     assert attributes["prefix_cache.block_size"] == 16 and attributes["prefix_cache.hash_algo"] == "sha256"
     assert attributes["prefix_cache.blocks_queried"] == completion.cache_account.queried_blocks
     assert attributes["prefix_cache.miss_reason"] == completion.cache_account.miss_reason

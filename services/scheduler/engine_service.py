@@ -302,6 +302,7 @@ class EngineServicer(pb_grpc.EngineServicer):
         config = self._engine.config
         info = self._engine.worker_info
         attributes: dict[str, object] = {
+            "gen_ai.provider.name": "prefixcache",  # OpenTelemetry's GenAI conventions require one
             "gen_ai.operation.name": "chat" if request.WhichOneof("prompt") == "chat" else "text_completion",
             "gen_ai.request.id": request_id,
             "prefix_cache.block_size": config.block_size,
