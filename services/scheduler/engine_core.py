@@ -97,6 +97,7 @@ _RECOVERY_BACKOFF_S = (0.05, 2.0)  # first and longest wait between re-initializ
 # accepts the call but hangs would otherwise hold them for the whole initialization timeout.
 HELD_REQUESTS_WAIT_S = 10.0
 _WORKER_LOST = "the worker was lost; retry the request"
+_STOPPED_AFTER_ERROR = "the engine stopped serving after an internal error"
 
 
 class EngineCore:
@@ -121,6 +122,8 @@ class EngineCore:
         self._idle = asyncio.Event()  # set when no request is in flight
         self._idle.set()
         self._loop_task: asyncio.Task[None] | None = None
+        self._crashed = False  # the step loop ended on an unexpected error: see `_step_loop_ended`
+        self._crash_announcement: asyncio.Future[None] | None = None
         self._serving = False  # admitting requests: started, worker up, not shutting down
         self._stopping = False
         # Told when a lost worker takes serving away (False) and when a new one brings it back
@@ -152,16 +155,25 @@ class EngineCore:
             self._loop_task = None
 
     def _step_loop_ended(self, task: asyncio.Task[None]) -> None:
-        """The step loop only ends when cancelled. Should a bug end it otherwise, say so loudly and
-        end every stream, rather than leave clients waiting on an engine that no longer steps."""
+        """The step loop only ends when cancelled. Should a bug end it otherwise, say so loudly, end
+        every stream (counted once, as errors: nothing is left to abort) and tell health checks, so
+        that clients do not wait on an engine that no longer steps and an orchestrator replaces it."""
         if task.cancelled() or task.exception() is None:
             return
         log.critical("the engine's step loop stopped: %r; it no longer serves", task.exception(),
                      exc_info=task.exception())
         self._serving = False
+        self._crashed = True
         self._held = {}
+        if self._scheduler is not None:
+            self._scheduler.drop_all()
         for request_id in list(self._streams):
-            self._fail_stream(request_id, "the engine stopped serving after an internal error")
+            self._fail_stream(request_id, _STOPPED_AFTER_ERROR)
+        self._crash_announcement = asyncio.ensure_future(self._announce_crash())
+
+    async def _announce_crash(self) -> None:
+        with contextlib.suppress(Exception):  # the announcement may be what failed
+            await self._announce_worker_availability(False)
 
     @property
     def worker_info(self) -> WorkerInfo | None:
@@ -254,7 +266,8 @@ class EngineCore:
         """Raise EngineUnavailable, or RequestRejected if the request cannot run on this worker
         (add_request checks too)."""
         if not self._serving or self._scheduler is None:
-            raise EngineUnavailable("the engine is stopping" if self._stopping else "the worker is not available")
+            raise EngineUnavailable("the engine is stopping" if self._stopping
+                                    else _STOPPED_AFTER_ERROR if self._crashed else "the worker is not available")
         if request.request_id in self._streams:
             raise RequestRejected("request_id", f"{quoted(request.request_id)} is already in flight")
         self._check_fits_worker(request)

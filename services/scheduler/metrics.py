@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from prefixcache.services.scheduler.scheduler import Scheduler
 
 PREFIX = "prefixcache"
-FINISH_ERROR = "error"  # lost with the worker: the stream ended UNAVAILABLE
+FINISH_ERROR = "error"  # the stream ended UNAVAILABLE: the worker lost, or the tokenizer failing mid-stream
 FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR)
 
 

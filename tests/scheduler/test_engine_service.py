@@ -31,7 +31,7 @@ from prefixcache.services.scheduler.tokenizer_client import StreamingDetokenizer
 from prefixcache.services.tokenizer.text import TextTokenizer
 
 from engine_harness import PROMPT, SPECIAL_IDS, engine_api
-from sim_worker import reference_generation
+from sim_worker import SimulatedWorker, reference_generation
 
 
 def stop_string_at(tokenizer: TextTokenizer, generated: list[int], first: int) -> tuple[int, str]:
@@ -306,9 +306,9 @@ def finished_counts(engine) -> dict[str, float]:
 
 def test_a_client_that_leaves_after_the_engine_finished_is_still_counted(tokenizer: TextTokenizer,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """With stop strings the servicer counts the finish. A tokenizer 10 ms away lets the engine finish
-    the request before the client, which cancels after three responses, has read its end: the
-    unread final output must still be counted, once."""
+    """The servicer counts every finish. A tokenizer 10 ms away lets the engine finish the request
+    before the client, which cancels after three responses, has read its end: the unread final
+    output must still be counted, once."""
     push = StreamingDetokenizer.push
 
     async def remote_push(self, token_ids, last=False):
@@ -393,3 +393,34 @@ def test_an_eviction_event_lists_a_bounded_number_of_blocks_and_their_storers() 
     assert len(attributes["prefix_cache.block_hashes"]) == MAX_HASHES_PER_EVICTION_EVENT
     assert attributes["prefix_cache.storing_request_ids"] == [f"request-{i}" for i in
                                                               range(MAX_HASHES_PER_EVICTION_EVENT // 2)]
+
+
+def test_a_crash_after_a_request_was_run_again_counts_it_once_and_turns_health_off(tokenizer: TextTokenizer) -> None:
+    """The worker is lost before the request's first token, the request is held and run again, and
+    then announcing the new worker fails (a bug): the call ends UNAVAILABLE, counted once as an
+    error, and health is told the engine no longer serves."""
+    announced: list[bool] = []
+    worker = SimulatedWorker(num_kv_blocks=256, vocab_size=tokenizer.vocab_size, eos_token_ids=SPECIAL_IDS)
+
+    async def main() -> dict[str, float]:
+        async with engine_api(tokenizer, executor=worker) as (target, engine), EngineClient(target) as client:
+            async def broken_when_back(available: bool) -> None:
+                announced.append(available)
+                if available:
+                    raise RuntimeError("a bug in announcing the new worker")
+
+            engine.on_worker_availability = broken_when_back
+            worker.fail_next_step()
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await client.complete(build_request(token_ids=PROMPT, max_tokens=20))
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "internal error" in failed.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await client.complete(build_request(token_ids=PROMPT, max_tokens=2))
+            assert "internal error" in refused.value.details()
+            await asyncio.sleep(0.1)  # the call's cleanup and the health announcement
+            return finished_counts(engine)
+
+    counts = asyncio.run(asyncio.wait_for(main(), 60))
+    assert counts["error"] == 1 and sum(counts.values()) == 1, counts
+    assert announced == [False, True, False]
