@@ -203,6 +203,7 @@ def test_an_operator_watching_one_namespace_gets_rights_only_there(chart: Any) -
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
                                   "name": role["metadata"]["name"]}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "chat-operator", "namespace": "ops"}]
+    assert role["metadata"]["name"] == "ops-chat-operator"  # two releases named chat may watch team-a
     args = objects["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--namespace=team-a" in args
 
