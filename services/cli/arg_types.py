@@ -30,6 +30,24 @@ def bounded_int(low: int, high: int) -> Callable[[str], int]:
     return parse
 
 
+# A port to listen on: 0 picks any free one. gRPC would take a larger number modulo 65536 and
+# listen somewhere else than the one asked for.
+listen_port = bounded_int(0, 65535)
+
+
+def block_size(text: str) -> int:
+    """A KV block size, refused before anything starts when the block hasher would refuse it."""
+    from prefixcache.services.common.block_identity import MAX_BLOCK_SIZE, is_valid_block_size
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not is_valid_block_size(value):
+        raise argparse.ArgumentTypeError(f"must be a power of two in [1, {MAX_BLOCK_SIZE}], got {value}")
+    return value
+
+
 def bounded_float(low: float, high: float = math.inf, *, low_open: bool = False) -> Callable[[str], float]:
     """An argparse type: a number in [low, high], or (low, high] with `low_open`; never NaN."""
     shown = f"{'(' if low_open else '['}{low:g}, {high:g}]" if high != math.inf else f"{'>' if low_open else '>='} {low:g}"

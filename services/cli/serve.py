@@ -19,9 +19,9 @@ from typing import TypeVar
 
 import grpc
 
-from prefixcache.services.cli.arg_types import bounded_int
+from prefixcache.services.cli.arg_types import block_size, bounded_int
 from prefixcache.services.cli.launcher import LocalPlatform, PlatformConfig, default_log_dir
-from prefixcache.services.common.block_identity import HASH_ALGOS, block_size_arg
+from prefixcache.services.common.block_identity import HASH_ALGOS
 from prefixcache.services.common.engine_client import Completion, EngineClient, build_request
 from prefixcache.services.common.grpc_server import set_on_signals
 
@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", help="the worker's attention kernels by name (default: per device)")
     parser.add_argument("--kv-cache-memory", default="1GiB",
                         help="worker KV cache budget: bytes (512MiB) or a fraction of free memory (0.4)")
-    parser.add_argument("--block-size", type=block_size_arg, default=16, help="tokens per KV block (a power of two)")
+    parser.add_argument("--block-size", type=block_size, default=16, help="tokens per KV block (a power of two)")
     parser.add_argument("--hash-algo", choices=HASH_ALGOS, default="sha256", help="block hash algorithm")
     parser.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
                         help="turn automatic prefix caching off (the second spelling is vLLM's)")

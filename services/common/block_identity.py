@@ -14,7 +14,6 @@ block 0 only `["salt", salt]`, in that order. `H` is sha256 (32 bytes) or seeded
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import re
@@ -41,17 +40,6 @@ BlockHash = NewType("BlockHash", bytes)
 def is_valid_block_size(block_size: object) -> bool:
     """A power of two in [1, MAX_BLOCK_SIZE]."""
     return _is_int(block_size) and 1 <= block_size <= MAX_BLOCK_SIZE and not block_size & (block_size - 1)
-
-
-def block_size_arg(text: str) -> int:
-    """An argparse type for a block size, so that a command refuses a bad one before it starts anything."""
-    try:
-        block_size = int(text)
-    except ValueError:
-        block_size = None
-    if not is_valid_block_size(block_size):
-        raise argparse.ArgumentTypeError(f"must be a power of two in [1, {MAX_BLOCK_SIZE}], got {text!r}")
-    return block_size
 
 # The order extra items must appear in, by tag (several "mm" items keep their token order).
 _EXTRA_TAG_ORDER = {"lora": 0, "mm": 1, "embeds": 2, "salt": 3}

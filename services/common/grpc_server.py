@@ -9,7 +9,6 @@ once; calls still running after the grace are cancelled) and returns 0.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
@@ -46,18 +45,6 @@ class Servicer:
 
     name: str  # e.g. "prefixcache.engine.v1.Engine"
     add_to_server: Callable[[aio.Server], None]
-
-
-def listen_port(text: str) -> int:
-    """An argparse type for a port to listen on: 0 (any free port) to 65535. gRPC would take a
-    larger number modulo 65536 and listen somewhere else than the one asked for."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {port}")
-    return port
 
 
 def configure_logging(level: str = "INFO") -> None:

@@ -110,7 +110,6 @@ class EngineCore:
         self._scheduler: Scheduler | None = None
         self._worker_info: WorkerInfo | None = None
         self._streams: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
-        self._finish_counted_by_caller: set[str] = set()  # see add_request's `counts_own_finish`
         # Requests that had streamed nothing when the worker was lost: resubmitted once it is back,
         # once only (a request that brings the worker down again, e.g. by running it out of memory,
         # must not do so forever).
@@ -196,7 +195,6 @@ class EngineCore:
 
     def add_request(
         self, request: EngineRequest, on_abandon: Callable[[RequestOutput], None] | None = None,
-        counts_own_finish: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request; iterate the result for its outputs. Raises RequestRejected, QueueFull or
         EngineUnavailable at once, before anything is queued.
@@ -205,10 +203,10 @@ class EngineCore:
         output nobody read, the abort's included, goes to `on_abandon`: they may carry the cache
         account of a request cancelled before its first token, and its evictions.
 
-        `counts_own_finish`: the caller tells `metrics.request_finished` why the request ended (a
-        stop string it matched can turn the engine's "length" into "stop", a tokenizer that failed
-        it mid-stream into "error"), so the engine does not count the final output's reason; a
-        request lost with the worker is still counted here."""
+        The caller tells `metrics.request_finished` why a request it reads ended: what its client
+        was told can differ from the final output's reason (a stop string it matched turns "length"
+        into "stop", a tokenizer that failed mid-stream makes it "error"). The engine counts only
+        the streams it fails itself (the worker lost)."""
         self.validate(request)
         assert self._scheduler is not None
         if self._scheduler.num_waiting >= self.config.max_waiting:
@@ -216,8 +214,6 @@ class EngineCore:
         self._scheduler.add_request(request)
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self._streams[request.request_id] = queue
-        if counts_own_finish:
-            self._finish_counted_by_caller.add(request.request_id)
         self._idle.clear()
         self._wakeup.set()
         self.metrics.request_added(len(request.prompt_token_ids))
@@ -375,7 +371,7 @@ class EngineCore:
             await asyncio.sleep(0)  # let clients and new requests in, even with an executor that never yields
 
     def _deliver(self, output: RequestOutput) -> None:
-        self.metrics.output_delivered(output, count_finish=output.request_id not in self._finish_counted_by_caller)
+        self.metrics.output_delivered(output)
         queue = self._streams.get(output.request_id)
         if queue is None:
             return
@@ -385,7 +381,6 @@ class EngineCore:
 
     def _end_stream(self, request_id: str) -> None:
         del self._streams[request_id]
-        self._finish_counted_by_caller.discard(request_id)
         self._resubmitted.discard(request_id)
         if not self._streams:
             self._idle.set()

@@ -171,8 +171,7 @@ class EngineServicer(pb_grpc.EngineServicer):
                 await detokenizer.open()
             abandoned: list[RequestOutput] = []  # outputs never read, if the engine saw the call leave first
             try:
-                outputs = self._engine.add_request(engine_request, on_abandon=abandoned.append,
-                                                   counts_own_finish=True)
+                outputs = self._engine.add_request(engine_request, on_abandon=abandoned.append)
             except Exception:
                 await detokenizer.close()
                 raise
@@ -377,9 +376,8 @@ class _Stream:
         self._engine = engine
         self._detokenizer = detokenizer
         self._stops = StopStringMatcher(stops)
-        # The stream, not the engine, tells the metrics why the request ended (it is added with
-        # `counts_own_finish`): as the client was told, which a stop string or a failed tokenizer
-        # can make differ from the reason the engine finished it for.
+        # The stream, not the engine, tells the metrics why the request ended: as the client was
+        # told, which a stop string or a failed tokenizer can make differ from the engine's reason.
         self._engine_finish_reason: str | None = None  # of the final output, once absorbed
         self._unread_reason: str | None = None  # why a stream that ended without its final response ended
         self.finished = False

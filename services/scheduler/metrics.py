@@ -45,12 +45,9 @@ class SchedulerMetrics(Collector):
     def request_added(self, prompt_tokens: int) -> None:
         self._prompt_tokens += prompt_tokens
 
-    def output_delivered(self, output: RequestOutput, count_finish: bool = True) -> None:
-        """Count an engine output's tokens and, unless `count_finish` is False (its caller reports
-        the request's reason itself, see `request_finished`), its finish reason."""
+    def output_delivered(self, output: RequestOutput) -> None:
+        """Count an engine output's tokens (its reader counts the finish: `request_finished`)."""
         self._generation_tokens += len(output.new_token_ids)
-        if count_finish and output.finish_reason is not None:
-            self.request_finished(output.finish_reason)
 
     def request_finished(self, reason: str) -> None:
         """A request ended for `reason`, as its client was told."""

@@ -17,8 +17,9 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
 from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
-from prefixcache.services.common.block_identity import HASH_ALGOS, block_size_arg
-from prefixcache.services.common.grpc_server import Servicer, configure_logging, listen_port, run_server
+from prefixcache.services.cli.arg_types import block_size, listen_port
+from prefixcache.services.common.block_identity import HASH_ALGOS
+from prefixcache.services.common.grpc_server import Servicer, configure_logging, run_server
 from prefixcache.services.common.tracing import SpanRegistry
 from prefixcache.services.scheduler.engine_core import EngineCore, SchedulerConfig, WorkerUnavailable
 from prefixcache.services.scheduler.engine_service import SERVICE_NAME, EngineServicer
@@ -36,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="[::]", help="address to bind (default: all interfaces)")
     parser.add_argument("--tokenizer", required=True, metavar="HOST:PORT", help="tokenizer service")
     parser.add_argument("--worker", required=True, metavar="HOST:PORT", help="worker service")
-    parser.add_argument("--block-size", type=block_size_arg, default=defaults.block_size,
+    parser.add_argument("--block-size", type=block_size, default=defaults.block_size,
                         help="tokens per KV block (a power of two)")
     parser.add_argument("--hash-algo", choices=HASH_ALGOS, default=defaults.hash_algo, help="block hash algorithm")
     parser.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",

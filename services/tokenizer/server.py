@@ -15,7 +15,8 @@ from grpc import aio
 
 from prefixcache.protos.tokenizer.v1 import tokenizer_pb2 as pb
 from prefixcache.protos.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
-from prefixcache.services.common.grpc_server import Servicer, configure_logging, listen_port, run_server
+from prefixcache.services.cli.arg_types import listen_port
+from prefixcache.services.common.grpc_server import Servicer, configure_logging, run_server
 from prefixcache.services.tokenizer.text import ChatTemplateError, ChatTurn, IncrementalDetokenizer, TextTokenizer
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tokenizer"].full_name

@@ -18,8 +18,9 @@ from grpc import aio
 
 from prefixcache.protos.worker.v1 import worker_pb2 as pb
 from prefixcache.protos.worker.v1 import worker_pb2_grpc as pb_grpc
+from prefixcache.services.cli.arg_types import listen_port
 from prefixcache.services.common.compute_thread import ComputeThread
-from prefixcache.services.common.grpc_server import Servicer, configure_logging, listen_port, run_server
+from prefixcache.services.common.grpc_server import Servicer, configure_logging, run_server
 from prefixcache.services.common.step_codec import output_to_proto, step_from_proto
 
 if TYPE_CHECKING:

@@ -220,10 +220,11 @@ def test_worker_loss_fails_in_flight_requests_and_a_restarted_worker_serves_with
         # Counted since the engine started: the replaced cache manager's counts are not lost.
         stats = engine.cache_stats()
         assert (stats.queries, stats.hits) == (2 * len(prompt) + 20 + len(prompt), 36)
-        # The lost request is counted as finished with an error, the others by their reason.
+        # The engine counts the request it lost as an error; the others are counted by their
+        # reader (the Engine servicer), as their clients were told.
         text = engine.metrics.exposition().decode()
         assert 'prefixcache_requests_finished_total{finish_reason="error"} 1.0' in text
-        assert 'prefixcache_requests_finished_total{finish_reason="length"} 3.0' in text
+        assert 'prefixcache_requests_finished_total{finish_reason="length"} 0.0' in text
 
     run(body)
 
@@ -439,7 +440,7 @@ def test_metrics_expose_cache_and_queue_counters():
         assert "prefixcache_prefix_cache_queries_total 100.0" in text
         assert "prefixcache_prefix_cache_hits_total 48.0" in text
         assert "prefixcache_generation_tokens_total 12.0" in text
-        assert 'prefixcache_requests_finished_total{finish_reason="length"} 2.0' in text
+        assert 'prefixcache_requests_finished_total{finish_reason="length"} 0.0' in text  # the reader counts
         assert 'prefixcache_kv_blocks{state="used"} 0.0' in text
         assert 'prefixcache_kv_blocks{state="free"} 64.0' in text  # the states add up to the pool
         # 13 blocks of 55 computed tokens, and b's own copy of block 12 (its prompt ends inside it: no hit)

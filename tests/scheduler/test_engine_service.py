@@ -424,3 +424,18 @@ def test_a_crash_after_a_request_was_run_again_counts_it_once_and_turns_health_o
     counts = asyncio.run(asyncio.wait_for(main(), 60))
     assert counts["error"] == 1 and sum(counts.values()) == 1, counts
     assert announced == [False, True, False]
+
+
+def test_finished_requests_are_counted_by_the_reason_their_clients_were_told(tokenizer: TextTokenizer) -> None:
+    generated = reference_generation(PROMPT, 200, tokenizer.vocab_size, frozenset(SPECIAL_IDS))
+
+    async def main() -> dict[str, float]:
+        async with engine_api(tokenizer) as (target, engine), EngineClient(target) as client:
+            for _ in range(2):
+                assert (await client.complete(build_request(token_ids=PROMPT, max_tokens=3))).finish_reason == "length"
+            stopped = await client.complete(build_request(token_ids=PROMPT, max_tokens=50, stop_token_ids=[generated[1]]))
+            assert stopped.finish_reason == "stop"
+            return finished_counts(engine)
+
+    counts = asyncio.run(asyncio.wait_for(main(), 60))
+    assert counts == {"stop": 1.0, "length": 2.0, "abort": 0.0, "error": 0.0}
