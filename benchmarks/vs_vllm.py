@@ -217,8 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tenants", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32",
-                        help="both engines' dtype (float32, compared exactly; bfloat16 runs about 3x faster "
-                             "where the CPU has AMX, for both)")
+                        help="both engines' dtype (default float32; bfloat16 runs about 3x faster where the CPU "
+                             "has AMX, for both)")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="our local platform's KV budget")
     parser.add_argument("--vllm-kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--vllm-startup-timeout", type=float, default=600.0)
