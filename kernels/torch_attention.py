@@ -21,6 +21,10 @@ Per step, the batch splits three ways (`TorchAttentionPlan`, built once and shar
   in one call, each sequence's own tail in a padded group, and the two partial results are merged by
   their log-sum-exp. Without it every decode reads the whole shared prefix again.
 
+Where the native CPU kernel runs (`native_cpu`: float32, AVX-512), every prefill, fresh or after
+cached context, is one call of it instead: it reads the keys and values through the block table in
+place, with no gather and no merge.
+
 Gathers copy whole blocks (`index_select` over the block axis), which moves the same bytes as a
 per-position gather in far fewer, larger copies. A sequence whose blocks are consecutive ids (common:
 the free queue hands out runs, and a conversation's next turn finds its history where it left it) is
@@ -51,6 +55,7 @@ import torch.nn.functional as F
 
 from .decode_staging import DecodeStaging, StagedGroup
 from .metadata import AttentionMetadata
+from .native_cpu import PrefillAttentionKernel
 
 # A decode group's padded size stays within this factor of the positions its members really have.
 MAX_DECODE_PADDING = 1.25
@@ -62,6 +67,13 @@ MIN_CASCADE_SAVED_POSITIONS = 256
 @dataclass
 class FreshPrefill:
     tokens: slice
+
+
+@dataclass
+class NativePrefill:
+    tokens: slice
+    blocks: torch.Tensor  # [num_blocks] int64: every block of the sequence, in order
+    seq_len: int
 
 
 @dataclass
@@ -100,21 +112,26 @@ class CascadeDecodes:
 class TorchAttentionPlan:
     fresh_prefills: list[FreshPrefill]
     context_prefills: list[ContextPrefill]
+    native_prefills: list[NativePrefill]
     decode_batches: list[DecodeBatch]
     cascades: list[CascadeDecodes]
 
     @classmethod
-    def build(cls, meta: AttentionMetadata, block_size: int,
-              staging: DecodeStaging | None = None) -> TorchAttentionPlan:
+    def build(cls, meta: AttentionMetadata, block_size: int, staging: DecodeStaging | None = None,
+              native_prefills: bool = False) -> TorchAttentionPlan:
         """The plan of one step; with `staging`, decode groups keep their keys and values between
-        steps (CPU only)."""
+        steps (CPU only); with `native_prefills`, every prefill goes to the native kernel."""
         fresh: list[FreshPrefill] = []
         context: list[ContextPrefill] = []
+        native: list[NativePrefill] = []
         decodes: list[Decode] = []
         start = 0
         for seq, (query_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
             tokens = slice(start, start + query_len)
-            if query_len == seq_len:
+            if native_prefills and query_len > 1:
+                native.append(NativePrefill(tokens, meta.block_tables[seq, : -(-seq_len // block_size)].long(),
+                                            seq_len))
+            elif query_len == seq_len:
                 fresh.append(FreshPrefill(tokens))
             elif query_len == 1:
                 decodes.append(Decode(seq_len, seq, start))
@@ -127,7 +144,7 @@ class TorchAttentionPlan:
         batches = [_decode_batch(meta, group, block_size) for group in _group_decodes(decodes)]
         if staging is not None and meta.block_tables.device.type == "cpu":
             _stage(batches + [cascade.tails for cascade in cascades], staging, block_size)
-        return cls(fresh, context, batches, cascades)
+        return cls(fresh, context, native, batches, cascades)
 
 
 def _stage(batches: list[DecodeBatch], staging: DecodeStaging, block_size: int) -> None:
@@ -238,10 +255,14 @@ def attend_torch(
     value_cache: torch.Tensor,
     plan: TorchAttentionPlan,
     scale: float,
+    native_prefill: PrefillAttentionKernel | None = None,  # runs `plan.native_prefills`
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     head_dim = key_cache.shape[3]
     output = torch.empty_like(query)
 
+    for prefill in plan.native_prefills:
+        rows = prefill.tokens
+        output[rows] = native_prefill(query[rows], key_cache, value_cache, prefill.blocks, prefill.seq_len, scale)
     for prefill in plan.fresh_prefills:
         rows = prefill.tokens
         output[rows] = _sdpa_prefill(query[rows], key[rows], value[rows], scale)

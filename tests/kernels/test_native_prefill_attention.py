@@ -1,0 +1,122 @@
+"""The native CPU prefill attention (`kernels/cpu/prefill_attention.cpp`) against the plain-torch reference.
+
+Skipped only where the kernel cannot run by design (no AVX-512): on a machine that has it, a kernel
+that fails to build fails these tests rather than hiding behind the torch fallback.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefixcache.kernels import AttentionMetadata, get_attention_backend, paged_attention_reference
+from prefixcache.kernels.native_cpu import DISABLE_ENV, prefill_attention_kernel
+from prefixcache.kernels.reference import reshape_and_cache_reference
+
+pytestmark = pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
+                                reason="the native prefill attention needs AVX-512")
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """`paged_batch` builds on the CPU here, also on a machine whose kernel tests run on CUDA."""
+    return CPU
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    built = prefill_attention_kernel()
+    assert built is not None, "the native kernel did not build on a CPU that runs it (see the log)"
+    return built
+
+
+def _written(batch) -> AttentionMetadata:
+    meta = AttentionMetadata.build(batch.query_lens, batch.seq_lens, batch.block_tables, batch.block_size, CPU)
+    reshape_and_cache_reference(batch.key, batch.value, batch.key_cache, batch.value_cache, meta.slot_mapping)
+    return meta
+
+
+def _reference(batch) -> torch.Tensor:
+    return paged_attention_reference(batch.query, batch.key_cache, batch.value_cache, batch.query_lens,
+                                     batch.seq_lens, batch.block_tables, batch.scale)
+
+
+# (cached context, new tokens), kv heads, query heads per kv head, head_dim, block_size
+CASES = [
+    pytest.param((0, 2), 3, 3, 64, 16, id="two-tokens"),
+    pytest.param((0, 97), 3, 3, 64, 16, id="fresh-two-items"),  # 96 rows per item under GQA 3
+    pytest.param((992, 50), 3, 3, 64, 16, id="chunk-after-992"),
+    pytest.param((61, 70), 2, 4, 128, 4, id="d128-gqa4-bs4"),
+    pytest.param((17, 33), 4, 1, 64, 1, id="mha-bs1"),
+    pytest.param((5, 130), 1, 12, 128, 32, id="gqa12-bs32"),
+]
+
+
+@pytest.mark.parametrize("sequence,num_kv_heads,queries_per_kv,head_dim,block_size", CASES)
+def test_matches_the_reference(kernel, paged_batch, relative_error, sequence, num_kv_heads, queries_per_kv, head_dim,
+                               block_size):
+    batch = paged_batch([sequence], block_size=block_size, num_kv_heads=num_kv_heads, queries_per_kv=queries_per_kv,
+                        head_dim=head_dim)
+    _written(batch)
+    blocks = torch.tensor(batch.block_tables[0], dtype=torch.int64)
+    out = kernel(batch.query, batch.key_cache, batch.value_cache, blocks, batch.seq_lens[0], batch.scale)
+    assert relative_error(out, _reference(batch)) < 2e-6
+
+
+def test_strided_queries(kernel, paged_batch, relative_error):
+    """Queries are views into the fused QKV projection: rows farther apart than the heads span."""
+    batch = paged_batch([(20, 40)], block_size=16, num_kv_heads=3, queries_per_kv=3, head_dim=64)
+    _written(batch)
+    padded = torch.zeros(40, 9 + 6, 64)
+    padded[:, :9] = batch.query
+    blocks = torch.tensor(batch.block_tables[0], dtype=torch.int64)
+    out = kernel(padded[:, :9], batch.key_cache, batch.value_cache, blocks, batch.seq_lens[0], batch.scale)
+    assert relative_error(out, _reference(batch)) < 2e-6
+
+
+def test_a_row_does_not_depend_on_how_the_prompt_was_chunked(kernel, paged_batch):
+    """Cold, in one chunk, or after 48 cached positions: the same bits, so a cache hit changes nothing."""
+    batch = paged_batch([(0, 150)], block_size=16, num_kv_heads=3, queries_per_kv=3, head_dim=64)
+    _written(batch)
+    blocks = torch.tensor(batch.block_tables[0], dtype=torch.int64)
+    args = (batch.key_cache, batch.value_cache, blocks)
+    whole = kernel(batch.query, *args, 150, batch.scale)
+    for cut in (48, 101, 148):
+        tail = kernel(batch.query[cut:], *args, 150, batch.scale)
+        head = kernel(batch.query[:cut], *args, cut, batch.scale)
+        assert torch.equal(torch.cat([head, tail]), whole), cut
+
+
+def test_the_torch_backend_sends_prefills_to_it(kernel, paged_batch, relative_error):
+    """A mixed step: fresh prefills and chunks after context go native; decodes keep the torch path."""
+    sequences = [(0, 37), (40, 25), (30, 1), (64, 1), (0, 1)]
+    batch = paged_batch(sequences, block_size=16, num_kv_heads=3, queries_per_kv=3, head_dim=64)
+    meta = _written(batch)
+    backend = get_attention_backend("torch", CPU)
+    out = backend.attend(batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, meta, batch.scale)
+    plan = meta.backend_cache[("torch", 16)]
+    assert [prefill.seq_len for prefill in plan.native_prefills] == [37, 65]
+    assert len(plan.fresh_prefills) == 1 and not plan.context_prefills  # the one-token prompt
+    assert relative_error(out, _reference(batch)) < 2e-6
+
+
+def test_head_dims_it_does_not_cover_stay_on_the_torch_path(kernel, paged_batch, relative_error):
+    batch = paged_batch([(0, 20), (12, 9)], block_size=8, num_kv_heads=2, queries_per_kv=3, head_dim=32)
+    meta = _written(batch)
+    backend = get_attention_backend("torch", CPU)
+    out = backend.attend(batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, meta, batch.scale)
+    plan = meta.backend_cache[("torch", 8)]
+    assert not plan.native_prefills and len(plan.fresh_prefills) == len(plan.context_prefills) == 1
+    assert relative_error(out, _reference(batch)) < 2e-6
+
+
+def test_it_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv(DISABLE_ENV, "0")
+    prefill_attention_kernel.cache_clear()
+    try:
+        assert prefill_attention_kernel() is None
+    finally:
+        monkeypatch.undo()
+        prefill_attention_kernel.cache_clear()
+    assert prefill_attention_kernel() is not None
