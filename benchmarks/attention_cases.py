@@ -24,6 +24,7 @@ class Case:
 CASES = [
     Case("prefill 1024", [(0, 1024)]),
     Case("prefill 50 on 1000 cached", [(1000, 50)]),
+    Case("prefill 125 on 992 cached", [(992, 125)]),
     Case("decode x1 at 1k", [(1023, 1)]),
     Case("decode x16 at 1k", [(1023, 1)] * 16),
 ]

@@ -22,6 +22,6 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$fingerprint" ]; then
   echo "$fingerprint" > "$STAMP"
 fi
 echo "==> native CPU kernel (built once, then cached)"
-"$VENV/bin/python" -m prefixcache.kernels.native_cpu
+"$VENV/bin/python" -c "from prefixcache.kernels.native_cpu import report; report()"
 echo "==> embedded model"
 "$VENV/bin/prefixcache" model pull
