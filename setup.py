@@ -10,6 +10,8 @@ from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 FOLDERS = {"services": "services", "kernels": "kernels", "operator": "operator", "protos": "protos"}
+# Folders that hold only package data (no Python), named so that setuptools ships them as such.
+DATA_PACKAGES = ["prefixcache.kernels.cpu"]  # the native CPU kernels' C++ sources, built on first use
 ROOT = Path(__file__).resolve().parent
 
 
@@ -22,7 +24,7 @@ def packages_and_dirs() -> tuple[list[str], dict[str, str]]:
         package_dir[root] = folder
         for sub in find_packages(folder):
             packages.append(f"{root}.{sub}")
-    return packages, package_dir
+    return packages + DATA_PACKAGES, package_dir
 
 
 def generate_protos() -> None:

@@ -15,7 +15,7 @@ import torch
 
 from attention_cases import CASES, dense_sdpa, make_inputs, median_ms, print_table
 from prefixcache.kernels import TorchAttentionBackend, get_attention_backend, paged_attention_reference
-from prefixcache.kernels.native_cpu import prefill_attention_kernel
+from prefixcache.kernels.native_cpu import native_cpu_kernels
 from prefixcache.kernels.torch_attention import TorchAttentionPlan
 
 
@@ -53,7 +53,7 @@ def main() -> int:
                 case.name, str(dtype).removeprefix("torch."), f"{layer_ms:.3f}", f"{torch_only_ms:.3f}",
                 f"{torch_only_ms / layer_ms:.2f}", f"{dense_ms:.3f}", f"{plan_ms:.3f}", f"{error:.1e}",
             ])
-    native = "with" if prefill_attention_kernel() else "without (not available here)"
+    native = "with" if native_cpu_kernels() else "without (not available here)"
     print(f"torch attention path {native} the native prefill kernel, one layer, {torch.get_num_threads()} threads "
           "(medians, ms; speed-up = torch only / serving path)")
     print_table(["case", "dtype", "write+attend", "torch only", "speed-up", "dense SDPA", "plan/step", "rel err"],

@@ -17,7 +17,7 @@ import torch
 
 from .decode_staging import DecodeStaging
 from .metadata import AttentionMetadata
-from .native_cpu import PrefillAttentionKernel, prefill_attention_kernel
+from .native_cpu import NativeCpuKernels, native_cpu_kernels
 from .reference import paged_attention_reference, reshape_and_cache_reference
 from .torch_attention import TorchAttentionPlan, attend_torch, write_kv_torch
 
@@ -88,17 +88,17 @@ class TorchAttentionBackend(_CheckedBackend):
     name = "torch"
 
     def __init__(self, staging: DecodeStaging | None = None,
-                 native_prefill: PrefillAttentionKernel | None = None) -> None:
+                 native: NativeCpuKernels | None = None) -> None:
         # Decode groups' keys and values kept between steps (none by default): one backend per cache.
         self._staging = staging
-        self._native_prefill = native_prefill
+        self._native = native
 
     def _write_kv(self, key, value, key_cache, value_cache, slot_mapping):
         write_kv_torch(key, value, key_cache, value_cache, slot_mapping)
 
     def _attend(self, query, key, value, key_cache, value_cache, meta, scale):
         block_size = key_cache.shape[1]
-        native = self._native_prefill if self._native_prefill and self._native_prefill.supports(query) else None
+        native = self._native if self._native and self._native.runs_prefill_attention(query) else None
         plan = meta.backend_cache.get((self.name, block_size))
         if plan is None:
             plan = meta.backend_cache[(self.name, block_size)] = TorchAttentionPlan.build(
@@ -152,7 +152,7 @@ def get_attention_backend(name: str | None = None, device: torch.device | str = 
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         staging = DecodeStaging(decode_staging_positions) if decode_staging_positions else None
-        native = prefill_attention_kernel() if device.type == "cpu" and dtype == torch.float32 else None
+        native = native_cpu_kernels() if device.type == "cpu" and dtype == torch.float32 else None
         return TorchAttentionBackend(staging, native)
     if name == "reference":
         return ReferenceAttentionBackend()

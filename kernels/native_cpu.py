@@ -1,11 +1,11 @@
-"""The native CPU kernel (`cpu/prefill_attention.cpp`): built once per machine, then loaded.
+"""The native CPU kernels (`cpu/*.cpp`): built once per machine, then loaded.
 
-The first process that asks builds it with torch's extension builder (about 25 s on two cores) into
-`$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), which later processes reuse; a file
-lock there keeps concurrent builders apart. It needs a C++ compiler and ninja (the `worker` extra
-installs ninja). Where it cannot run (no AVX-512, a build that fails, `PREFIXCACHE_NATIVE_KERNELS=0`),
-`prefill_attention_kernel()` says why in the log once and returns None: the torch path then serves,
-a little slower.
+The first process that asks builds them with torch's extension builder (about 40 s on two cores)
+into `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), which later processes reuse; a
+file lock there keeps concurrent builders apart. Building needs a C++ compiler and ninja (the
+`worker` extra installs ninja). Where they cannot run (no AVX-512, a failed build,
+`PREFIXCACHE_NATIVE_KERNELS=0`), `native_cpu_kernels()` says why in the log once and returns None,
+and torch's own kernels serve, a little slower. They cover float32 only.
 """
 
 from __future__ import annotations
@@ -23,21 +23,19 @@ import torch
 _log = logging.getLogger(__name__)
 
 DISABLE_ENV = "PREFIXCACHE_NATIVE_KERNELS"
-SOURCE = Path(__file__).parent / "cpu" / "prefill_attention.cpp"
-HEAD_DIMS = (64, 128)
+SOURCES = [Path(__file__).parent / "cpu" / name for name in ("module.cpp", "prefill_attention.cpp", "rms_norm.cpp")]
+ATTENTION_HEAD_DIMS = (64, 128)
 
 
 @dataclass(frozen=True)
-class PrefillAttentionKernel:
-    """Causal attention of one sequence's prefill chunk, reading keys and values through its block table."""
-
+class NativeCpuKernels:
     module: ModuleType
 
     @staticmethod
-    def supports(query: torch.Tensor) -> bool:
-        return query.device.type == "cpu" and query.dtype == torch.float32 and query.shape[-1] in HEAD_DIMS
+    def runs_prefill_attention(query: torch.Tensor) -> bool:
+        return query.device.type == "cpu" and query.dtype == torch.float32 and query.shape[-1] in ATTENTION_HEAD_DIMS
 
-    def __call__(
+    def prefill_attention(
         self,
         query: torch.Tensor,  # [query_len, num_q_heads, D]: the chunk's queries, the last of the sequence
         key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, D], the chunk's keys already in it
@@ -46,38 +44,49 @@ class PrefillAttentionKernel:
         seq_len: int,
         scale: float,
     ) -> torch.Tensor:  # [query_len, num_q_heads, D]
+        """Causal attention of one sequence's prefill chunk, reading keys and values through its block table."""
         return self.module.prefill_attention(query, key_cache, value_cache, blocks, seq_len, scale)
+
+    def rms_norm(self, hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """rms_norm(hidden) * weight, a new tensor (contiguous float32 in)."""
+        return self.module.rms_norm(hidden, weight, eps)
+
+    def add_rms_norm_(self, hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+        """residual += hidden, then hidden = rms_norm(residual) * weight; both in place (contiguous float32)."""
+        self.module.add_rms_norm_(hidden, residual, weight, eps)
+        return hidden
 
 
 @functools.cache
-def prefill_attention_kernel() -> PrefillAttentionKernel | None:
-    """The kernel, built if need be; None (logged once) where it cannot run here."""
+def native_cpu_kernels() -> NativeCpuKernels | None:
+    """The kernels, built if need be; None (logged once) where they cannot run here."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         _log.info("native CPU kernels disabled by %s=0", DISABLE_ENV)
         return None
     if sys.platform != "linux" or not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
-        _log.info("native CPU prefill attention needs AVX-512 on Linux; using torch's kernels")
+        _log.info("the native CPU kernels need AVX-512 on Linux; using torch's kernels")
         return None
     try:
         module = _build()
-    except Exception as error:  # a missing compiler or ninja, a failed build: serve without it
-        _log.warning("could not build the native CPU prefill attention (%s); using torch's kernels",
-                     str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__)
+    except Exception as error:  # a missing compiler or ninja, a failed build: serve without them
+        message = str(error).strip()
+        _log.warning("could not build the native CPU kernels (%s); using torch's kernels",
+                     message.splitlines()[-1] if message else type(error).__name__)
         return None
-    return PrefillAttentionKernel(module) if module.supported() else None
+    return NativeCpuKernels(module) if module.supported() else None
 
 
 def _build() -> ModuleType:
     from torch.utils.cpp_extension import load
 
     # OpenMP for at::parallel_for; the extension shares torch's own libgomp (same soname, loaded first).
-    return load(name="prefixcache_prefill_attention", sources=[str(SOURCE)], extra_cflags=["-O3", "-fopenmp"],
-                extra_ldflags=["-fopenmp"], verbose=False)
-
+    return load(name="prefixcache_cpu_kernels", sources=[str(source) for source in SOURCES],
+                extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def report() -> None:
-    """Build the kernel now (setup, image builds) and say whether it runs here."""
+    """Build the kernels now (setup, image builds) and say whether they run here."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    ready = prefill_attention_kernel() is not None
-    print("native CPU prefill attention:", "ready" if ready else "not available here, torch's kernels serve")
+    ready = native_cpu_kernels() is not None
+    print("native CPU kernels:", "ready" if ready else "not available here, torch's kernels serve")

@@ -21,7 +21,7 @@ Per step, the batch splits three ways (`TorchAttentionPlan`, built once and shar
   in one call, each sequence's own tail in a padded group, and the two partial results are merged by
   their log-sum-exp. Without it every decode reads the whole shared prefix again.
 
-Where the native CPU kernel runs (`native_cpu`: float32, AVX-512), every prefill, fresh or after
+Where the native CPU kernels run (`native_cpu`: float32, AVX-512), every prefill, fresh or after
 cached context, is one call of it instead: it reads the keys and values through the block table in
 place, with no gather and no merge.
 
@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 from .decode_staging import DecodeStaging, StagedGroup
 from .metadata import AttentionMetadata
-from .native_cpu import PrefillAttentionKernel
+from .native_cpu import NativeCpuKernels
 
 # A decode group's padded size stays within this factor of the positions its members really have.
 MAX_DECODE_PADDING = 1.25
@@ -255,14 +255,15 @@ def attend_torch(
     value_cache: torch.Tensor,
     plan: TorchAttentionPlan,
     scale: float,
-    native_prefill: PrefillAttentionKernel | None = None,  # runs `plan.native_prefills`
+    native: NativeCpuKernels | None = None,  # runs `plan.native_prefills`
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     head_dim = key_cache.shape[3]
     output = torch.empty_like(query)
 
     for prefill in plan.native_prefills:
         rows = prefill.tokens
-        output[rows] = native_prefill(query[rows], key_cache, value_cache, prefill.blocks, prefill.seq_len, scale)
+        output[rows] = native.prefill_attention(query[rows], key_cache, value_cache, prefill.blocks, prefill.seq_len,
+                                                scale)
     for prefill in plan.fresh_prefills:
         rows = prefill.tokens
         output[rows] = _sdpa_prefill(query[rows], key[rows], value[rows], scale)

@@ -21,7 +21,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$fingerprint" ]; then
   "$VENV/bin/pip" install -q -e ".[test]"
   echo "$fingerprint" > "$STAMP"
 fi
-echo "==> native CPU kernel (built once, then cached)"
+echo "==> native CPU kernels (built once, then cached)"
 "$VENV/bin/python" -c "from prefixcache.kernels.native_cpu import report; report()"
 echo "==> embedded model"
 "$VENV/bin/prefixcache" model pull

@@ -16,9 +16,10 @@
 // from position 0 in the same order, and keys after it weigh exactly 0. So a prompt computed cold and
 // the same prompt computed after a cache hit get bit-identical attention for every chunk of two
 // tokens or more (the serving path runs a one-token chunk as it runs a decode).
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <torch/extension.h>
 
 #include <algorithm>
 #include <atomic>
@@ -215,25 +216,22 @@ void attend_all(const Problem& pb) {
 
 }  // namespace
 
-bool supported() { return __builtin_cpu_supports("avx512f"); }
-
 // query [num_tokens, num_q_heads, head_dim] (rows may be strided), caches [num_blocks, block_size,
 // num_kv_heads, head_dim] contiguous, block_table [>= ceil(seq_len / block_size)] int64; the chunk's
 // own keys and values are already in the cache. Returns [num_tokens, num_q_heads, head_dim].
-torch::Tensor prefill_attention(const torch::Tensor& query, const torch::Tensor& key_cache,
-                                const torch::Tensor& value_cache, const torch::Tensor& block_table, int64_t seq_len,
-                                double scale) {
+at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                             const at::Tensor& block_table, int64_t seq_len, double scale) {
   TORCH_CHECK(supported(), "this CPU has no AVX-512");
-  TORCH_CHECK(query.dtype() == torch::kFloat32 && key_cache.dtype() == torch::kFloat32 &&
-                  value_cache.dtype() == torch::kFloat32, "float32 only");
+  TORCH_CHECK(query.dtype() == at::kFloat && key_cache.dtype() == at::kFloat &&
+                  value_cache.dtype() == at::kFloat, "float32 only");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2), "query layout");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(block_table.dtype() == torch::kInt64 && block_table.is_contiguous(), "block_table: contiguous int64");
+  TORCH_CHECK(block_table.dtype() == at::kLong && block_table.is_contiguous(), "block_table: contiguous int64");
   const int head_dim = query.size(2);
   TORCH_CHECK(head_dim == 64 || head_dim == 128, "head_dim 64 or 128");
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "query heads: a multiple of the kv heads");
   TORCH_CHECK(seq_len >= query.size(0) && block_table.numel() * key_cache.size(1) >= seq_len, "seq_len");
-  auto out = torch::empty({query.size(0), query.size(1), head_dim}, query.options());
+  auto out = at::empty({query.size(0), query.size(1), head_dim}, query.options());
   Problem pb{query.data_ptr<float>(), query.stride(0), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
              block_table.data_ptr<int64_t>(), out.data_ptr<float>(), static_cast<int>(query.size(0)),
              static_cast<int>(query.size(1)), static_cast<int>(key_cache.size(2)), static_cast<int>(key_cache.size(1)),
@@ -243,9 +241,4 @@ torch::Tensor prefill_attention(const torch::Tensor& query, const torch::Tensor&
   else
     attend_all<128>(pb);
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("supported", &supported, "whether this CPU runs the kernel (AVX-512)");
-  m.def("prefill_attention", &prefill_attention, "causal paged prefill attention, float32");
 }

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from prefixcache.kernels import AttentionMetadata, get_attention_backend, paged_attention_reference
-from prefixcache.kernels.native_cpu import DISABLE_ENV, prefill_attention_kernel
+from prefixcache.kernels.native_cpu import DISABLE_ENV, native_cpu_kernels
 from prefixcache.kernels.reference import reshape_and_cache_reference
 
 pytestmark = pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
@@ -26,9 +26,9 @@ def device() -> torch.device:
 
 @pytest.fixture(scope="module")
 def kernel():
-    built = prefill_attention_kernel()
-    assert built is not None, "the native kernel did not build on a CPU that runs it (see the log)"
-    return built
+    built = native_cpu_kernels()
+    assert built is not None, "the native kernels did not build on a CPU that runs them (see the log)"
+    return built.prefill_attention
 
 
 def _written(batch) -> AttentionMetadata:
@@ -113,10 +113,10 @@ def test_head_dims_it_does_not_cover_stay_on_the_torch_path(kernel, paged_batch,
 
 def test_it_can_be_switched_off(monkeypatch):
     monkeypatch.setenv(DISABLE_ENV, "0")
-    prefill_attention_kernel.cache_clear()
+    native_cpu_kernels.cache_clear()
     try:
-        assert prefill_attention_kernel() is None
+        assert native_cpu_kernels() is None
     finally:
         monkeypatch.undo()
-        prefill_attention_kernel.cache_clear()
-    assert prefill_attention_kernel() is not None
+        native_cpu_kernels.cache_clear()
+    assert native_cpu_kernels() is not None

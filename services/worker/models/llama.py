@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from prefixcache.kernels.native_cpu import NativeCpuKernels, native_cpu_kernels
 from prefixcache.services.worker.model_config import ModelConfig
 from prefixcache.services.worker.models.cpu_linear import CpuLinear, choose_blocked_rows, swap_in_cpu_linears
 from prefixcache.services.worker.models.rotary import RotaryEmbedding, rotate
@@ -29,13 +30,23 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size))
         self.eps = eps
+        self.native: NativeCpuKernels | None = None  # set by `lay_out_for_cpu` where the kernels run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and x.is_contiguous():
+            return self.native.rms_norm(x, self.weight, self.eps)
         # Normalised in float32 and scaled in the model dtype, as transformers does. Written out
         # rather than `F.rms_norm`, whose CPU composite takes more ops and allocations for the same bits.
         wide = x.float()
         normalized = wide * torch.rsqrt(wide.square().mean(-1, keepdim=True).add_(self.eps))
         return normalized.to(x.dtype).mul_(self.weight)
+
+    def add_residual(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """`residual += x`, then the norm of the sum. The native kernel does both in one pass and
+        writes the norm over `x` (a sublayer's fresh output, which nothing else reads)."""
+        if self.native is not None and x.is_contiguous() and residual.is_contiguous():
+            return self.native.add_rms_norm_(x, residual, self.weight, self.eps)
+        return self(residual.add_(x))
 
 
 class Attention(nn.Module):
@@ -87,11 +98,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config)
 
-    def forward(self, x: torch.Tensor, rotation: Rotation, kv_cache: KVCache, metadata: Any,
-                backend: Any) -> torch.Tensor:
-        # Residual adds land in the sublayer's fresh output (a + b == b + a, bit for bit).
-        x = self.self_attn(self.input_layernorm(x), rotation, kv_cache, metadata, backend).add_(x)
-        return self.mlp(self.post_attention_layernorm(x)).add_(x)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotation: Rotation, kv_cache: KVCache,
+                metadata: Any, backend: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the previous MLP's output, the running residual) → this layer's. The first layer gets the
+        embeddings and no residual; the running residual is then the embeddings themselves.
+
+        Each residual add happens where the next norm reads it (`RMSNorm.add_residual`)."""
+        if residual is None:
+            residual, normed = x, self.input_layernorm(x)
+        else:
+            normed = self.input_layernorm.add_residual(x, residual)
+        attended = self.self_attn(normed, rotation, kv_cache, metadata, backend)
+        return self.mlp(self.post_attention_layernorm.add_residual(attended, residual)), residual
 
 
 # Hugging Face projection name → (our fused parameter's module, index of its slice)
@@ -119,9 +137,10 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] → final hidden states [T, hidden], after writing the KV of all T tokens."""
         x = self.embed_tokens(input_ids)
         rotation = self.rotary.for_positions(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rotation, kv_cache, metadata, backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, rotation, kv_cache, metadata, backend)
+        return self.norm.add_residual(x, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] → [N, vocab] float32 logits."""
@@ -144,7 +163,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight.copy_(head)
 
     def lay_out_for_cpu(self) -> None:
-        """Swap every projection, the logits head included, for a `CpuLinear` (once, after loading).
+        """Swap every projection, the logits head included, for a `CpuLinear` (once, after loading),
+        and let the norms use the native CPU kernels where they run (float32).
 
         A tied head gets its own copy of the embeddings: the lookup needs them row by row.
         """
@@ -155,6 +175,10 @@ class LlamaForCausalLM(nn.Module):
         swap_in_cpu_linears(self, blocked_rows)
         if head is not None:
             self.lm_head = CpuLinear(head, None, blocked_rows)
+        native = native_cpu_kernels() if self.embed_tokens.weight.dtype == torch.float32 else None
+        for norm in self.modules():
+            if isinstance(norm, RMSNorm):
+                norm.native = native
 
     def expected_checkpoint_names(self) -> set[str]:
         """Every Hugging Face tensor name a complete checkpoint must provide."""
