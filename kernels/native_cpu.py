@@ -23,7 +23,8 @@ import torch
 _log = logging.getLogger(__name__)
 
 DISABLE_ENV = "PREFIXCACHE_NATIVE_KERNELS"
-SOURCES = [Path(__file__).parent / "cpu" / name for name in ("module.cpp", "prefill_attention.cpp", "rms_norm.cpp")]
+SOURCES = [Path(__file__).parent / "cpu" / name
+           for name in ("module.cpp", "prefill_attention.cpp", "rms_norm.cpp", "elementwise.cpp")]
 ATTENTION_HEAD_DIMS = (64, 128)
 
 
@@ -43,9 +44,13 @@ class NativeCpuKernels:
         blocks: torch.Tensor,  # [>= ceil(seq_len / block_size)] int64: the sequence's blocks in order
         seq_len: int,
         scale: float,
+        out: torch.Tensor | None = None,  # where to write (contiguous), else a new tensor
     ) -> torch.Tensor:  # [query_len, num_q_heads, D]
         """Causal attention of one sequence's prefill chunk, reading keys and values through its block table."""
-        return self.module.prefill_attention(query, key_cache, value_cache, blocks, seq_len, scale)
+        if out is None:
+            out = torch.empty(query.shape, dtype=query.dtype)
+        self.module.prefill_attention(query, key_cache, value_cache, blocks, seq_len, scale, out)
+        return out
 
     def rms_norm(self, hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """rms_norm(hidden) * weight, a new tensor (contiguous float32 in)."""
@@ -56,6 +61,16 @@ class NativeCpuKernels:
         """residual += hidden, then hidden = rms_norm(residual) * weight; both in place (contiguous float32)."""
         self.module.add_rms_norm_(hidden, residual, weight, eps)
         return hidden
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for `gate_up` = [gate | up] on the last axis ([T, 2I] contiguous float32), as a
+        new contiguous [T, I]."""
+        return self.module.silu_and_mul(gate_up)
+
+    def rotate_(self, heads: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """`rotary.rotate` in place, to the bit: heads [T, H, D] float32 (rows may be strided)."""
+        self.module.rotate_(heads, cos, signed_sin)
+        return heads
 
 
 @functools.cache
@@ -81,8 +96,9 @@ def _build() -> ModuleType:
     from torch.utils.cpp_extension import load
 
     # OpenMP for at::parallel_for; the extension shares torch's own libgomp (same soname, loaded first).
+    # No implicit fused multiply-adds: the kernels say where they want one, and elsewhere keep torch's rounding.
     return load(name="prefixcache_cpu_kernels", sources=[str(source) for source in SOURCES],
-                extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def report() -> None:

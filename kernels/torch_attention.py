@@ -262,8 +262,8 @@ def attend_torch(
 
     for prefill in plan.native_prefills:
         rows = prefill.tokens
-        output[rows] = native.prefill_attention(query[rows], key_cache, value_cache, prefill.blocks, prefill.seq_len,
-                                                scale)
+        native.prefill_attention(query[rows], key_cache, value_cache, prefill.blocks, prefill.seq_len, scale,
+                                 out=output[rows])
     for prefill in plan.fresh_prefills:
         rows = prefill.tokens
         output[rows] = _sdpa_prefill(query[rows], key[rows], value[rows], scale)

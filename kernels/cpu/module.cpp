@@ -9,4 +9,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention", &prefill_attention, "causal paged prefill attention, float32");
   m.def("rms_norm", &rms_norm, "RMSNorm, float32");
   m.def("add_rms_norm_", &add_rms_norm_, "residual add, then RMSNorm in place, float32");
+  m.def("silu_and_mul", &silu_and_mul, "SwiGLU's silu(gate) * up, float32");
+  m.def("rotate_", &rotate_, "rotary embedding in place, float32");
 }

@@ -218,20 +218,20 @@ void attend_all(const Problem& pb) {
 
 // query [num_tokens, num_q_heads, head_dim] (rows may be strided), caches [num_blocks, block_size,
 // num_kv_heads, head_dim] contiguous, block_table [>= ceil(seq_len / block_size)] int64; the chunk's
-// own keys and values are already in the cache. Returns [num_tokens, num_q_heads, head_dim].
-at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                             const at::Tensor& block_table, int64_t seq_len, double scale) {
+// own keys and values are already in the cache. Writes out [num_tokens, num_q_heads, head_dim].
+void prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                       const at::Tensor& block_table, int64_t seq_len, double scale, at::Tensor out) {
   TORCH_CHECK(supported(), "this CPU has no AVX-512");
   TORCH_CHECK(query.dtype() == at::kFloat && key_cache.dtype() == at::kFloat &&
-                  value_cache.dtype() == at::kFloat, "float32 only");
+                  value_cache.dtype() == at::kFloat && out.dtype() == at::kFloat, "float32 only");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2), "query layout");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes(), "out: contiguous, the query's shape");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(block_table.dtype() == at::kLong && block_table.is_contiguous(), "block_table: contiguous int64");
   const int head_dim = query.size(2);
   TORCH_CHECK(head_dim == 64 || head_dim == 128, "head_dim 64 or 128");
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "query heads: a multiple of the kv heads");
   TORCH_CHECK(seq_len >= query.size(0) && block_table.numel() * key_cache.size(1) >= seq_len, "seq_len");
-  auto out = at::empty({query.size(0), query.size(1), head_dim}, query.options());
   Problem pb{query.data_ptr<float>(), query.stride(0), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
              block_table.data_ptr<int64_t>(), out.data_ptr<float>(), static_cast<int>(query.size(0)),
              static_cast<int>(query.size(1)), static_cast<int>(key_cache.size(2)), static_cast<int>(key_cache.size(1)),
@@ -240,5 +240,4 @@ at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& key_cach
     attend_all<64>(pb);
   else
     attend_all<128>(pb);
-  return out;
 }

@@ -60,6 +60,7 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.output_bias)
+        self.native: NativeCpuKernels | None = None  # set by `lay_out_for_cpu` where the kernels run
 
     def forward(self, x: torch.Tensor, rotation: Rotation, kv_cache: KVCache, metadata: Any,
                 backend: Any) -> torch.Tensor:
@@ -68,7 +69,10 @@ class Attention(nn.Module):
         # Queries and keys sit side by side in the fused output: rotate them in one go.
         query_key = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
                                                                self.head_dim)
-        query_key = rotate(query_key, rotation)
+        if self.native is not None:  # in place in the projection's output, which nothing else reads
+            query_key = self.native.rotate_(query_key, *rotation)
+        else:
+            query_key = rotate(query_key, rotation)
         query, key = query_key.split([self.num_heads, self.num_kv_heads], dim=1)
         value = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
@@ -83,9 +87,13 @@ class GatedMLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.native: NativeCpuKernels | None = None  # set by `lay_out_for_cpu` where the kernels run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.native is not None and gate_up.is_contiguous():
+            return self.down_proj(self.native.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         # In place in the projection's output, which nothing else reads.
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
@@ -164,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
 
     def lay_out_for_cpu(self) -> None:
         """Swap every projection, the logits head included, for a `CpuLinear` (once, after loading),
-        and let the norms use the native CPU kernels where they run (float32).
+        and let the norms, rotations and SwiGLU use the native CPU kernels where they run (float32).
 
         A tied head gets its own copy of the embeddings: the lookup needs them row by row.
         """
@@ -176,9 +184,9 @@ class LlamaForCausalLM(nn.Module):
         if head is not None:
             self.lm_head = CpuLinear(head, None, blocked_rows)
         native = native_cpu_kernels() if self.embed_tokens.weight.dtype == torch.float32 else None
-        for norm in self.modules():
-            if isinstance(norm, RMSNorm):
-                norm.native = native
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, GatedMLP)):
+                module.native = native
 
     def expected_checkpoint_names(self) -> set[str]:
         """Every Hugging Face tensor name a complete checkpoint must provide."""

@@ -1,4 +1,4 @@
-"""The native residual add + RMSNorm (`kernels/cpu/rms_norm.cpp`) against the model's torch RMSNorm."""
+"""The native elementwise kernels (`kernels/cpu/rms_norm.cpp`, `elementwise.cpp`) against the model's torch code."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from prefixcache.kernels.native_cpu import native_cpu_kernels
+from prefixcache.services.worker.model_config import RopeConfig
 from prefixcache.services.worker.models.llama import RMSNorm
+from prefixcache.services.worker.models.rotary import RotaryEmbedding, rotate
 
 pytestmark = pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
                                 reason="the native kernels need AVX-512")
@@ -70,3 +72,38 @@ def test_the_model_norm_uses_the_kernel_only_when_it_can(kernels, relative_error
     assert relative_error(norm.add_residual(hidden.clone(), residual.clone()), expected) < 1e-6
     strided = torch.cat([hidden, hidden], dim=1)[:, :576]  # not contiguous: the torch path serves it
     assert torch.equal(norm(strided), torch_norm(576, 6)(strided))
+
+
+@pytest.mark.parametrize("rows,intermediate", [(1, 1536), (9, 1536), (3, 40)])
+def test_silu_and_mul_matches_torch(kernels, relative_error, rows, intermediate):
+    gate_up = torch.randn(rows, 2 * intermediate, generator=torch.Generator().manual_seed(8)) * 4
+    gate, up = gate_up.split(intermediate, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    out = kernels.silu_and_mul(gate_up)
+    assert out.is_contiguous() and out.shape == (rows, intermediate)
+    assert relative_error(out, expected) < 1e-6
+
+
+
+def test_silu_and_mul_at_extreme_gates(kernels):
+    """e^-gate overflows or underflows here: the result stays finite and right, never NaN."""
+    gate = torch.tensor([[-200.0, -104.0, -90.0, -20.0, 20.0, 90.0, 104.0, 200.0] * 2])
+    out = kernels.silu_and_mul(torch.cat([gate, torch.ones_like(gate)], dim=1))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate), rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_rotation_is_torchs_to_the_bit(kernels, head_dim):
+    """In place on a strided view of the fused projection, as the model calls it."""
+    rotary = RotaryEmbedding(RopeConfig(theta=100000.0), head_dim, 4096)
+    positions = torch.tensor([0, 1, 17, 900, 4095, 33])
+    cos, signed_sin = rotary.for_positions(positions, torch.float32)
+    qkv = torch.randn(6, (9 + 3 + 3) * head_dim, generator=torch.Generator().manual_seed(9))
+    query_key = qkv[:, : 12 * head_dim].view(6, 12, head_dim)
+    expected = rotate(query_key, (cos, signed_sin))
+    values_before = qkv[:, 12 * head_dim :].clone()
+    rotated = kernels.rotate_(query_key, cos, signed_sin)
+    assert rotated.data_ptr() == qkv.data_ptr()
+    assert torch.equal(rotated, expected)
+    assert torch.equal(qkv[:, 12 * head_dim :], values_before)  # the values beside them are untouched
