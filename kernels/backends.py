@@ -1,7 +1,7 @@
 """Attention backends behind one interface, and the choice between them.
 
-- `torch`: gather + SDPA (`torch_attention`), the serving path on CPU, with prefills in the native
-  CPU kernel where it runs (`native_cpu`);
+- `torch`: gather + SDPA (`torch_attention`), the serving path on CPU, with prefills and decodes in
+  the native CPU kernels where they run (`native_cpu`);
 - `triton`: the Triton kernels, the serving path on CUDA;
 - `reference`: the plain-torch references, slow, for tests and debugging.
 
@@ -98,11 +98,11 @@ class TorchAttentionBackend(_CheckedBackend):
 
     def _attend(self, query, key, value, key_cache, value_cache, meta, scale):
         block_size = key_cache.shape[1]
-        native = self._native if self._native and self._native.runs_prefill_attention(query) else None
+        native = self._native if self._native and self._native.runs_attention(query) else None
         plan = meta.backend_cache.get((self.name, block_size))
         if plan is None:
             plan = meta.backend_cache[(self.name, block_size)] = TorchAttentionPlan.build(
-                meta, block_size, self._staging, native_prefills=native is not None)
+                meta, block_size, self._staging, native=native is not None)
         return attend_torch(query, key, value, key_cache, value_cache, plan, scale, native)
 
 

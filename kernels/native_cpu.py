@@ -23,8 +23,8 @@ import torch
 _log = logging.getLogger(__name__)
 
 DISABLE_ENV = "PREFIXCACHE_NATIVE_KERNELS"
-SOURCES = [Path(__file__).parent / "cpu" / name
-           for name in ("module.cpp", "prefill_attention.cpp", "rms_norm.cpp", "elementwise.cpp")]
+SOURCES = [Path(__file__).parent / "cpu" / name for name in
+           ("module.cpp", "prefill_attention.cpp", "decode_attention.cpp", "rms_norm.cpp", "elementwise.cpp")]
 ATTENTION_HEAD_DIMS = (64, 128)
 
 
@@ -33,7 +33,7 @@ class NativeCpuKernels:
     module: ModuleType
 
     @staticmethod
-    def runs_prefill_attention(query: torch.Tensor) -> bool:
+    def runs_attention(query: torch.Tensor) -> bool:
         return query.device.type == "cpu" and query.dtype == torch.float32 and query.shape[-1] in ATTENTION_HEAD_DIMS
 
     def prefill_attention(
@@ -51,6 +51,20 @@ class NativeCpuKernels:
             out = torch.empty(query.shape, dtype=query.dtype)
         self.module.prefill_attention(query, key_cache, value_cache, blocks, seq_len, scale, out)
         return out
+
+    def decode_attention(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_q_heads, D]: the whole step's queries (rows may be strided)
+        token_rows: torch.Tensor,  # [num_decodes] int64: each decode's row
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,  # [num_decodes, width] int64
+        seq_lens: torch.Tensor,  # [num_decodes] int64: positions each decode attends to, its own included
+        scale: float,
+        out: torch.Tensor,  # [num_tokens, num_q_heads, D] contiguous: the decodes' rows are written
+    ) -> None:
+        """Attention of one new query per sequence over its paged keys and values, read in place."""
+        self.module.decode_attention(query, token_rows, key_cache, value_cache, block_tables, seq_lens, scale, out)
 
     def rms_norm(self, hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """rms_norm(hidden) * weight, a new tensor (contiguous float32 in)."""

@@ -21,9 +21,11 @@ Per step, the batch splits three ways (`TorchAttentionPlan`, built once and shar
   in one call, each sequence's own tail in a padded group, and the two partial results are merged by
   their log-sum-exp. Without it every decode reads the whole shared prefix again.
 
-Where the native CPU kernels run (`native_cpu`: float32, AVX-512), every prefill, fresh or after
-cached context, is one call of it instead: it reads the keys and values through the block table in
-place, with no gather and no merge.
+Where the native CPU kernels run (`native_cpu`: float32, AVX-512), they take over: every prefill,
+fresh or after cached context, is one call of the prefill kernel, and every decode that is not part
+of a cascade goes to one call of the decode kernel. Both read the keys and values through the block
+tables in place: no gather, no staging, no merge. Cascades stay (the shared prefix is still read once
+for all its decodes).
 
 Gathers copy whole blocks (`index_select` over the block axis), which moves the same bytes as a
 per-position gather in far fewer, larger copies. A sequence whose blocks are consecutive ids (common:
@@ -77,6 +79,13 @@ class NativePrefill:
 
 
 @dataclass
+class NativeDecodes:
+    token_rows: torch.Tensor  # [num_decodes] int64: rows in the packed batch
+    block_tables: torch.Tensor  # [num_decodes, blocks of the longest] int64
+    seq_lens: torch.Tensor  # [num_decodes] int64
+
+
+@dataclass
 class ContextPrefill:
     tokens: slice
     blocks: torch.Tensor  # [num_blocks] int64: the blocks holding the cached positions, in order
@@ -113,24 +122,25 @@ class TorchAttentionPlan:
     fresh_prefills: list[FreshPrefill]
     context_prefills: list[ContextPrefill]
     native_prefills: list[NativePrefill]
+    native_decodes: NativeDecodes | None
     decode_batches: list[DecodeBatch]
     cascades: list[CascadeDecodes]
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int, staging: DecodeStaging | None = None,
-              native_prefills: bool = False) -> TorchAttentionPlan:
+              native: bool = False) -> TorchAttentionPlan:
         """The plan of one step; with `staging`, decode groups keep their keys and values between
-        steps (CPU only); with `native_prefills`, every prefill goes to the native kernel."""
+        steps (CPU only); with `native`, prefills and decodes outside cascades go to the native kernels."""
         fresh: list[FreshPrefill] = []
         context: list[ContextPrefill] = []
-        native: list[NativePrefill] = []
+        native_prefills: list[NativePrefill] = []
         decodes: list[Decode] = []
         start = 0
         for seq, (query_len, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
             tokens = slice(start, start + query_len)
-            if native_prefills and query_len > 1:
-                native.append(NativePrefill(tokens, meta.block_tables[seq, : -(-seq_len // block_size)].long(),
-                                            seq_len))
+            if native and query_len > 1:
+                native_prefills.append(NativePrefill(tokens, meta.block_tables[seq, : -(-seq_len // block_size)].long(),
+                                                     seq_len))
             elif query_len == seq_len:
                 fresh.append(FreshPrefill(tokens))
             elif query_len == 1:
@@ -141,10 +151,11 @@ class TorchAttentionPlan:
                 context.append(ContextPrefill(tokens, blocks, _first_if_consecutive(blocks.tolist()), context_len))
             start += query_len
         cascades, decodes = _find_cascades(meta, decodes, block_size)
-        batches = [_decode_batch(meta, group, block_size) for group in _group_decodes(decodes)]
+        native_decodes = _native_decodes(meta, decodes, block_size) if native and decodes else None
+        batches = [] if native else [_decode_batch(meta, group, block_size) for group in _group_decodes(decodes)]
         if staging is not None and meta.block_tables.device.type == "cpu":
             _stage(batches + [cascade.tails for cascade in cascades], staging, block_size)
-        return cls(fresh, context, native, batches, cascades)
+        return cls(fresh, context, native_prefills, native_decodes, batches, cascades)
 
 
 def _stage(batches: list[DecodeBatch], staging: DecodeStaging, block_size: int) -> None:
@@ -186,6 +197,14 @@ def _find_cascades(
                                        _decode_batch(meta, members, block_size, skip_blocks=num_shared)))
         cascaded.update(decode.seq for decode in members)
     return cascades, [decode for decode in decodes if decode.seq not in cascaded]
+
+
+def _native_decodes(meta: AttentionMetadata, decodes: list[Decode], block_size: int) -> NativeDecodes:
+    width = -(-max(decode.seq_len for decode in decodes) // block_size)
+    rows = torch.tensor([decode.seq for decode in decodes])
+    return NativeDecodes(torch.tensor([decode.token for decode in decodes]),
+                         meta.block_tables[rows, :width].long().contiguous(),
+                         torch.tensor([decode.seq_len for decode in decodes]))
 
 
 def _group_decodes(decodes: list[Decode]) -> list[list[Decode]]:
@@ -255,7 +274,7 @@ def attend_torch(
     value_cache: torch.Tensor,
     plan: TorchAttentionPlan,
     scale: float,
-    native: NativeCpuKernels | None = None,  # runs `plan.native_prefills`
+    native: NativeCpuKernels | None = None,  # runs `plan.native_prefills` and `plan.native_decodes`
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     head_dim = key_cache.shape[3]
     output = torch.empty_like(query)
@@ -264,6 +283,10 @@ def attend_torch(
         rows = prefill.tokens
         native.prefill_attention(query[rows], key_cache, value_cache, prefill.blocks, prefill.seq_len, scale,
                                  out=output[rows])
+    if plan.native_decodes is not None:
+        decodes = plan.native_decodes
+        native.decode_attention(query, decodes.token_rows, key_cache, value_cache, decodes.block_tables,
+                                decodes.seq_lens, scale, out=output)
     for prefill in plan.fresh_prefills:
         rows = prefill.tokens
         output[rows] = _sdpa_prefill(query[rows], key[rows], value[rows], scale)

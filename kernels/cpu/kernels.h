@@ -17,6 +17,12 @@ at::Tensor rms_norm(const at::Tensor& hidden, const at::Tensor& weight, double e
 // residual += hidden, then hidden = rms_norm(residual) * weight, both in place.
 void add_rms_norm_(at::Tensor hidden, at::Tensor residual, const at::Tensor& weight, double eps);
 
+// Attention of decodes: for each d, the query row token_rows[d] over its seq_lens[d] positions in
+// block_tables[d], written into the same row of `out` (contiguous, the query's shape).
+void decode_attention(const at::Tensor& query, const at::Tensor& token_rows, const at::Tensor& key_cache,
+                      const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                      double scale, at::Tensor out);
+
 // silu(gate) * up for gate_up = [gate | up] along the last axis; a new contiguous tensor.
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 

@@ -1,4 +1,5 @@
-"""The native CPU prefill attention (`kernels/cpu/prefill_attention.cpp`) against the plain-torch reference.
+"""The native CPU attention (`kernels/cpu/prefill_attention.cpp`, `decode_attention.cpp`) against the
+plain-torch reference.
 
 Skipped only where the kernel cannot run by design (no AVX-512): on a machine that has it, a kernel
 that fails to build fails these tests rather than hiding behind the torch fallback.
@@ -25,10 +26,15 @@ def device() -> torch.device:
 
 
 @pytest.fixture(scope="module")
-def kernel():
+def kernels():
     built = native_cpu_kernels()
     assert built is not None, "the native kernels did not build on a CPU that runs them (see the log)"
-    return built.prefill_attention
+    return built
+
+
+@pytest.fixture(scope="module")
+def kernel(kernels):
+    return kernels.prefill_attention
 
 
 def _written(batch) -> AttentionMetadata:
@@ -88,8 +94,8 @@ def test_a_row_does_not_depend_on_how_the_prompt_was_chunked(kernel, paged_batch
         assert torch.equal(torch.cat([head, tail]), whole), cut
 
 
-def test_the_torch_backend_sends_prefills_to_it(kernel, paged_batch, relative_error):
-    """A mixed step: fresh prefills and chunks after context go native; decodes keep the torch path."""
+def test_the_torch_backend_sends_prefills_and_decodes_to_them(kernel, paged_batch, relative_error):
+    """A mixed step: fresh prefills, chunks after context and decodes go native."""
     sequences = [(0, 37), (40, 25), (30, 1), (64, 1), (0, 1)]
     batch = paged_batch(sequences, block_size=16, num_kv_heads=3, queries_per_kv=3, head_dim=64)
     meta = _written(batch)
@@ -97,17 +103,19 @@ def test_the_torch_backend_sends_prefills_to_it(kernel, paged_batch, relative_er
     out = backend.attend(batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, meta, batch.scale)
     plan = meta.backend_cache[("torch", 16)]
     assert [prefill.seq_len for prefill in plan.native_prefills] == [37, 65]
+    assert plan.native_decodes.seq_lens.tolist() == [31, 65] and not plan.decode_batches
     assert len(plan.fresh_prefills) == 1 and not plan.context_prefills  # the one-token prompt
     assert relative_error(out, _reference(batch)) < 2e-6
 
 
 def test_head_dims_it_does_not_cover_stay_on_the_torch_path(kernel, paged_batch, relative_error):
-    batch = paged_batch([(0, 20), (12, 9)], block_size=8, num_kv_heads=2, queries_per_kv=3, head_dim=32)
+    batch = paged_batch([(0, 20), (12, 9), (30, 1)], block_size=8, num_kv_heads=2, queries_per_kv=3, head_dim=32)
     meta = _written(batch)
     backend = get_attention_backend("torch", CPU)
     out = backend.attend(batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, meta, batch.scale)
     plan = meta.backend_cache[("torch", 8)]
     assert not plan.native_prefills and len(plan.fresh_prefills) == len(plan.context_prefills) == 1
+    assert plan.native_decodes is None and len(plan.decode_batches) == 1
     assert relative_error(out, _reference(batch)) < 2e-6
 
 
@@ -120,3 +128,48 @@ def test_it_can_be_switched_off(monkeypatch):
         monkeypatch.undo()
         native_cpu_kernels.cache_clear()
     assert native_cpu_kernels() is not None
+
+
+def _decode(kernels, batch) -> torch.Tensor:
+    """Every sequence of `batch` (one new token each) through the decode kernel."""
+    width = max(len(table) for table in batch.block_tables)
+    tables = torch.tensor([table + [0] * (width - len(table)) for table in batch.block_tables])
+    out = torch.full_like(batch.query, float("nan"))
+    kernels.decode_attention(batch.query, torch.arange(len(batch.seq_lens)), batch.key_cache, batch.value_cache,
+                             tables, torch.tensor(batch.seq_lens), batch.scale, out)
+    return out
+
+
+# Positions per decode: one, a block and its neighbours, and past the kernel's 512-position splits.
+@pytest.mark.parametrize("num_kv_heads,queries_per_kv,head_dim,block_size", [
+    pytest.param(3, 3, 64, 16, id="smollm"),
+    pytest.param(2, 4, 128, 8, id="d128-gqa4"),
+    pytest.param(4, 1, 64, 1, id="mha-bs1"),
+    pytest.param(1, 16, 64, 32, id="gqa16"),
+])
+def test_decodes_match_the_reference(kernels, paged_batch, relative_error, num_kv_heads, queries_per_kv, head_dim,
+                                     block_size):
+    sequences = [(0, 1), (14, 1), (15, 1), (16, 1), (511, 1), (512, 1), (1100, 1)]
+    batch = paged_batch(sequences, block_size=block_size, num_kv_heads=num_kv_heads, queries_per_kv=queries_per_kv,
+                        head_dim=head_dim)
+    _written(batch)
+    assert relative_error(_decode(kernels, batch), _reference(batch)) < 2e-6
+
+
+def test_a_decode_does_not_depend_on_the_rest_of_the_batch(kernels, paged_batch):
+    batch = paged_batch([(700, 1), (40, 1), (1030, 1)], block_size=16, num_kv_heads=3, queries_per_kv=3, head_dim=64)
+    _written(batch)
+    together = _decode(kernels, batch)
+    batch.query, batch.block_tables, batch.seq_lens = batch.query[2:], batch.block_tables[2:], batch.seq_lens[2:]
+    assert torch.equal(_decode(kernels, batch), together[2:])
+
+
+def test_decode_rows_outside_the_batch_are_refused(kernels, paged_batch):
+    batch = paged_batch([(20, 1)], block_size=16, num_kv_heads=3, queries_per_kv=3, head_dim=64)
+    tables = torch.tensor([batch.block_tables[0]])
+    with pytest.raises(RuntimeError, match="a row outside the batch"):
+        kernels.decode_attention(batch.query, torch.tensor([5]), batch.key_cache, batch.value_cache, tables,
+                                 torch.tensor([21]), batch.scale, torch.empty_like(batch.query))
+    with pytest.raises(RuntimeError, match="more positions than its table holds"):
+        kernels.decode_attention(batch.query, torch.tensor([0]), batch.key_cache, batch.value_cache, tables,
+                                 torch.tensor([200]), batch.scale, torch.empty_like(batch.query))
