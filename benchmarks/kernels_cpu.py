@@ -2,9 +2,9 @@
 
 Run by hand: `.venv/bin/python benchmarks/kernels_cpu.py`. For each case it checks the torch backend
 against the reference, then times one layer's `write_kv` + `attend` (the per-step plan is built once
-and reused by all layers, so it is timed apart), the same without the native prefill kernel
-(`kernels/native_cpu.py`: torch's flash kernel instead), and SDPA over dense, unpaged tensors of the
-same size.
+and reused by all layers, so it is timed apart), the same without the native kernels
+(`kernels/native_cpu.py`: gathers and torch's flash kernel instead), and SDPA over dense, unpaged
+tensors of the same size.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def main() -> int:
                 f"{torch_only_ms / layer_ms:.2f}", f"{dense_ms:.3f}", f"{plan_ms:.3f}", f"{error:.1e}",
             ])
     native = "with" if native_cpu_kernels() else "without (not available here)"
-    print(f"torch attention path {native} the native prefill kernel, one layer, {torch.get_num_threads()} threads "
+    print(f"torch attention path {native} the native kernels, one layer, {torch.get_num_threads()} threads "
           "(medians, ms; speed-up = torch only / serving path)")
     print_table(["case", "dtype", "write+attend", "torch only", "speed-up", "dense SDPA", "plan/step", "rel err"],
                 rows)
