@@ -103,7 +103,10 @@ def native_cpu_kernels() -> NativeCpuKernels | None:
         _log.warning("could not build the native CPU kernels (%s); using torch's kernels",
                      message.splitlines()[-1] if message else type(error).__name__)
         return None
-    return NativeCpuKernels(module) if module.supported() else None
+    if not module.supported():
+        return None
+    _log.info("native CPU kernels ready (float32: attention, RMSNorm, SwiGLU, rotary)")
+    return NativeCpuKernels(module)
 
 
 def _build() -> ModuleType:

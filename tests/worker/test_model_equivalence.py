@@ -20,6 +20,7 @@ from runner_harness import (
 )
 
 from prefixcache.kernels import AttentionMetadata, torch_attention
+from prefixcache.kernels.native_cpu import DISABLE_ENV, native_cpu_kernels
 from prefixcache.services.worker.model_runner import ModelRunner
 
 LOGITS_TOLERANCE = 1e-3
@@ -127,6 +128,26 @@ def test_tiny_checkpoint_greedy_matches_transformers(tiny_model) -> None:
     expected = [reference_greedy(reference, prompt, NUM_GENERATED) for prompt in prompts]
     for way, generated in greedy_runs(runner, prompts, block_size=4).items():
         assert generated == expected, way
+
+
+def test_torch_kernels_alone_keep_the_guarantee(tiny_model, monkeypatch) -> None:
+    """Where the native CPU kernels cannot run (no AVX-512, no compiler), torch's serve every step:
+    the same logits and tokens as transformers, cold, cached and chunked."""
+    monkeypatch.setenv(DISABLE_ENV, "0")
+    native_cpu_kernels.cache_clear()
+    try:
+        model_dir, reference = tiny_model
+        runner = ModelRunner(model_dir)
+        assert all(getattr(module, "native", None) is None for module in runner.model.modules())
+        prompts = sample_prompts(runner.config.vocab_size)
+        for prompt in prompts:
+            difference = (runner_logits(runner, prompt, block_size=4) - reference_logits(reference, prompt))
+            assert difference.abs().max() <= LOGITS_TOLERANCE
+        expected = [reference_greedy(reference, prompt, NUM_GENERATED) for prompt in prompts]
+        for way, generated in greedy_runs(runner, prompts, block_size=4).items():
+            assert generated == expected, way
+    finally:
+        native_cpu_kernels.cache_clear()  # the next caller builds (loads) them again
 
 
 def test_tiny_checkpoint_greedy_matches_transformers_through_cascade_attention(tiny_model, monkeypatch) -> None:
