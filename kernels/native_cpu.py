@@ -112,10 +112,23 @@ def native_cpu_kernels() -> NativeCpuKernels | None:
 def _build() -> ModuleType:
     from torch.utils.cpp_extension import load
 
+    _put_ninja_on_path()
     # OpenMP for at::parallel_for; the extension shares torch's own libgomp (same soname, loaded first).
     # No implicit fused multiply-adds: the kernels say where they want one, and elsewhere keep torch's rounding.
     return load(name="prefixcache_cpu_kernels", sources=[str(source) for source in SOURCES],
                 extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def _put_ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH, which holds a virtualenv's own (the `ninja` package)
+    only while the virtualenv is activated."""
+    try:
+        import ninja
+    except ImportError:
+        return  # then it must be on PATH already
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join(filter(None, [ninja.BIN_DIR, path]))
 
 
 def report() -> None:
