@@ -11,6 +11,7 @@ and torch's own kernels serve, a little slower. They cover float32 only.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import sys
@@ -23,7 +24,8 @@ import torch
 _log = logging.getLogger(__name__)
 
 DISABLE_ENV = "PREFIXCACHE_NATIVE_KERNELS"
-SOURCES = [Path(__file__).parent / "cpu" / name for name in
+SOURCE_DIR = Path(__file__).parent / "cpu"
+SOURCES = [SOURCE_DIR / name for name in
            ("module.cpp", "prefill_attention.cpp", "decode_attention.cpp", "rms_norm.cpp", "elementwise.cpp")]
 ATTENTION_HEAD_DIMS = (64, 128)
 
@@ -115,8 +117,16 @@ def _build() -> ModuleType:
     _put_ninja_on_path()
     # OpenMP for at::parallel_for; the extension shares torch's own libgomp (same soname, loaded first).
     # No implicit fused multiply-adds: the kernels say where they want one, and elsewhere keep torch's rounding.
-    return load(name="prefixcache_cpu_kernels", sources=[str(source) for source in SOURCES],
+    return load(name=f"prefixcache_cpu_kernels_{_source_digest()}", sources=[str(source) for source in SOURCES],
                 extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"], extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def _source_digest() -> str:
+    """Names the build after every source and header: torch's builder notices changed sources, not headers."""
+    digest = hashlib.sha256()
+    for path in sorted(path for path in SOURCE_DIR.iterdir() if path.suffix in (".cpp", ".h")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _put_ninja_on_path() -> None:

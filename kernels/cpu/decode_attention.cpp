@@ -10,6 +10,7 @@
 // the splits of a (decode, head) are then merged by their maxima and sums. Splits fall at fixed
 // positions, so a sequence's result does not depend on the rest of the batch.
 #include "kernels.h"
+#include "vector_math.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -24,22 +25,6 @@ namespace {
 constexpr int kSplit = 512;  // positions per work item at most
 constexpr int kMaxGroup = 16;  // query heads per key/value head
 constexpr float kLog2e = 1.4426950408889634f;
-
-// 2^x for x <= 0, as in prefill_attention.cpp (-inf gives 0).
-__attribute__((target("avx512f"))) inline __m512 exp2_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-160.f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.6931471805599453f));
-  __m512 p = _mm512_set1_ps(1.f / 5040.f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
 
 struct Problem {
   const float* query;  // rows `query_row_stride` apart, [.., num_q_heads, head_dim] each

@@ -4,6 +4,7 @@
 // silu_and_mul also makes the down projection's input contiguous: gate and up are column halves of
 // one projection's output, and a strided input made the matmul copy it first.
 #include "kernels.h"
+#include "vector_math.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -11,24 +12,6 @@
 #include <cmath>
 
 namespace {
-
-// e^x to about 1 ulp: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two for an exact reduction),
-// e^r by a degree-6 minimax polynomial, then scaled by 2^n. Past +-88 it saturates to 0 or inf.
-__attribute__((target("avx512f"))) inline __m512 exp_ps(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(88.7f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
 
 __attribute__((target("avx512f"))) void silu_and_mul_row(const float* gate, const float* up, float* out,
                                                          int64_t size) {

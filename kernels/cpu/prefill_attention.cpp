@@ -17,6 +17,7 @@
 // the same prompt computed after a cache hit get bit-identical attention for every chunk of two
 // tokens or more (the serving path runs a one-token chunk as it runs a decode).
 #include "kernels.h"
+#include "vector_math.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -35,23 +36,6 @@ constexpr int kRowVectors = 3;    // rows per register block, in vectors of 16
 constexpr int kRowBlock = 16 * kRowVectors;  // rows are padded to a multiple of it
 constexpr int kKeyBlock = 8;      // keys (scores) or head dims (values) per register block
 constexpr float kLog2e = 1.4426950408889634f;
-
-// 2^x for x <= 0, to about 1e-8 relative: x = n + f with n an integer and |f| <= 1/2, 2^f by its
-// Taylor series to degree 7, scaled by 2^n exactly. Very negative x (masked scores: -inf) gives 0.
-__attribute__((target("avx512f"))) inline __m512 exp2_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-160.f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.6931471805599453f));  // in nats
-  __m512 p = _mm512_set1_ps(1.f / 5040.f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // Everything below is laid out rows-last ([key or dim][row]), so the softmax runs down the key axis
 // with whole vectors of rows: no horizontal reductions, and both products broadcast from the packed
