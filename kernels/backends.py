@@ -98,11 +98,12 @@ class TorchAttentionBackend(_CheckedBackend):
 
     def _attend(self, query, key, value, key_cache, value_cache, meta, scale):
         block_size = key_cache.shape[1]
-        native = self._native if self._native and self._native.runs_attention(query) else None
-        plan = meta.backend_cache.get((self.name, block_size))
+        native = self._native if self._native and self._native.runs_attention(query, key_cache) else None
+        plan_key = (self.name, block_size, native is not None)  # the plan differs with and without the kernels
+        plan = meta.backend_cache.get(plan_key)
         if plan is None:
-            plan = meta.backend_cache[(self.name, block_size)] = TorchAttentionPlan.build(
-                meta, block_size, self._staging, native=native is not None)
+            plan = meta.backend_cache[plan_key] = TorchAttentionPlan.build(meta, block_size, self._staging,
+                                                                           native=native is not None)
         return attend_torch(query, key, value, key_cache, value_cache, plan, scale, native)
 
 

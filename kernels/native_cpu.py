@@ -4,7 +4,7 @@ The first process that asks builds them with torch's extension builder (about 30
 into `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), which later processes reuse; a
 file lock there keeps concurrent builders apart. Building needs a C++ compiler and ninja (the
 `worker` extra installs ninja). Where they cannot run (no AVX-512, a failed build,
-`PREFIXCACHE_NATIVE_KERNELS=0`), `native_cpu_kernels()` says why in the log once and returns None,
+`PREFIXCACHE_NATIVE_KERNELS=0`, or `false`, `no`, `off`), `native_cpu_kernels()` says why in the log once and returns None,
 and torch's own kernels serve, a little slower. They cover float32 only.
 """
 
@@ -28,6 +28,7 @@ SOURCE_DIR = Path(__file__).parent / "cpu"
 SOURCES = [SOURCE_DIR / name for name in
            ("module.cpp", "prefill_attention.cpp", "decode_attention.cpp", "rms_norm.cpp", "elementwise.cpp")]
 ATTENTION_HEAD_DIMS = (64, 128)
+MAX_QUERIES_PER_KV_HEAD = 16  # the decode kernel's register budget
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,12 @@ class NativeCpuKernels:
     module: ModuleType
 
     @staticmethod
-    def runs_attention(query: torch.Tensor) -> bool:
-        return query.device.type == "cpu" and query.dtype == torch.float32 and query.shape[-1] in ATTENTION_HEAD_DIMS
+    def runs_attention(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+        """Whether the attention kernels take these shapes (else torch's kernels serve them)."""
+        heads, head_dim = query.shape[-2:]
+        return (query.device.type == "cpu" and query.dtype == torch.float32 and head_dim in ATTENTION_HEAD_DIMS
+                and query.stride(-1) == 1 and query.stride(-2) == head_dim
+                and heads // key_cache.shape[2] <= MAX_QUERIES_PER_KV_HEAD)
 
     def prefill_attention(
         self,
@@ -92,7 +97,7 @@ class NativeCpuKernels:
 @functools.cache
 def native_cpu_kernels() -> NativeCpuKernels | None:
     """The kernels, built if need be; None (logged once) where they cannot run here."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
+    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
         _log.info("native CPU kernels disabled by %s=0", DISABLE_ENV)
         return None
     if sys.platform != "linux" or not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
@@ -106,6 +111,7 @@ def native_cpu_kernels() -> NativeCpuKernels | None:
                      message.splitlines()[-1] if message else type(error).__name__)
         return None
     if not module.supported():
+        _log.info("the native CPU kernels need AVX-512; using torch's kernels")
         return None
     _log.info("native CPU kernels ready (float32: attention, RMSNorm, SwiGLU, rotary)")
     return NativeCpuKernels(module)

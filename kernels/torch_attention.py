@@ -277,7 +277,7 @@ def attend_torch(
     native: NativeCpuKernels | None = None,  # runs `plan.native_prefills` and `plan.native_decodes`
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     head_dim = key_cache.shape[3]
-    output = torch.empty_like(query)
+    output = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous, as the kernels write it
 
     for prefill in plan.native_prefills:
         rows = prefill.tokens

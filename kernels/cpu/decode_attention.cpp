@@ -40,7 +40,7 @@ struct Problem {
   float scale;
 };
 
-// One split's partial result for each of the group's heads: running max, sum of weights, weighted values.
+// One split's softmax statistics for each of the group's heads (its weighted values are kept beside).
 struct Partial {
   float max[kMaxGroup];
   float sum[kMaxGroup];
@@ -62,17 +62,17 @@ __attribute__((target("avx512f"))) void attend_split(const Problem& pb, int deco
     for (int c = 0; c < kVecs; ++c)
       query[g][c] = _mm512_mul_ps(_mm512_loadu_ps(query_row + g * kHeadDim + c * 16), query_scale);
 
-  std::vector<const float*> rows(count);
+  std::vector<int64_t> offsets(count);  // of each position's key (and value) in its cache
   for (int j = 0; j < count; ++j) {
     const int position = start + j;
     const int64_t slot = table[position / pb.block_size] * pb.block_size + position % pb.block_size;
-    rows[j] = pb.key_cache + slot * position_stride + kv_head * kHeadDim;
+    offsets[j] = slot * position_stride + kv_head * kHeadDim;
   }
   const int padded = (count + 15) / 16 * 16;
   std::vector<float> scores(static_cast<size_t>(group) * padded, -std::numeric_limits<float>::infinity());
   for (int j = 0; j < count; ++j) {
     __m512 key[kVecs];
-    for (int c = 0; c < kVecs; ++c) key[c] = _mm512_loadu_ps(rows[j] + c * 16);
+    for (int c = 0; c < kVecs; ++c) key[c] = _mm512_loadu_ps(pb.key_cache + offsets[j] + c * 16);
     for (int g = 0; g < group; ++g) {
       __m512 dot = _mm512_mul_ps(query[g][0], key[0]);
       for (int c = 1; c < kVecs; ++c) dot = _mm512_fmadd_ps(query[g][c], key[c], dot);
@@ -95,12 +95,11 @@ __attribute__((target("avx512f"))) void attend_split(const Problem& pb, int deco
     partial.sum[g] = _mm512_reduce_add_ps(sum);
   }
 
-  const int64_t value_offset = pb.value_cache - pb.key_cache;  // same slot, other cache
   __m512 acc[kMaxGroup][kVecs];
   for (int g = 0; g < group; ++g)
     for (int c = 0; c < kVecs; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int j = 0; j < count; ++j) {
-    const float* value = rows[j] + value_offset;
+    const float* value = pb.value_cache + offsets[j];
     __m512 v[kVecs];
     for (int c = 0; c < kVecs; ++c) v[c] = _mm512_loadu_ps(value + c * 16);
     for (int g = 0; g < group; ++g) {
@@ -165,29 +164,26 @@ void attend_all(const Problem& pb) {
 void decode_attention(const at::Tensor& query, const at::Tensor& token_rows, const at::Tensor& key_cache,
                       const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                       double scale, at::Tensor out) {
-  TORCH_CHECK(supported(), "this CPU has no AVX-512");
-  TORCH_CHECK(query.dtype() == at::kFloat && key_cache.dtype() == at::kFloat && value_cache.dtype() == at::kFloat &&
-                  out.dtype() == at::kFloat, "float32 only");
-  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2), "query layout");
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes(), "out: contiguous, the query's shape");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.sizes() == value_cache.sizes(),
-              "caches: contiguous, alike");
+  check_attention_arguments(query, key_cache, value_cache, out);
   const int64_t num_decodes = token_rows.numel();
   for (const at::Tensor* index : {&token_rows, &seq_lens})
-    TORCH_CHECK(index->dtype() == at::kLong && index->is_contiguous() && index->numel() == num_decodes,
-                "token_rows and seq_lens: contiguous int64, one per decode");
+    TORCH_CHECK(index->dtype() == at::kLong && index->is_contiguous() && index->device().is_cpu() &&
+                    index->numel() == num_decodes, "token_rows and seq_lens: contiguous int64, one per decode");
   TORCH_CHECK(block_tables.dtype() == at::kLong && block_tables.dim() == 2 && block_tables.is_contiguous() &&
-                  block_tables.size(0) == num_decodes, "block_tables: contiguous int64 [num_decodes, width]");
+                  block_tables.device().is_cpu() && block_tables.size(0) == num_decodes,
+              "block_tables: contiguous int64 [num_decodes, width]");
   const int head_dim = query.size(2);
   TORCH_CHECK(head_dim == 64 || head_dim == 128, "head_dim 64 or 128");
-  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0 && query.size(1) / key_cache.size(2) <= kMaxGroup,
-              "query heads: a multiple of the kv heads, at most 16 per kv head");
+  TORCH_CHECK(query.size(1) / key_cache.size(2) <= kMaxGroup, "at most 16 query heads per kv head");
   const int64_t* rows = token_rows.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  for (int64_t d = 0; d < num_decodes; ++d)
+  for (int64_t d = 0; d < num_decodes; ++d) {
     TORCH_CHECK(rows[d] >= 0 && rows[d] < query.size(0) && lens[d] >= 1 &&
                     (lens[d] + key_cache.size(1) - 1) / key_cache.size(1) <= block_tables.size(1),
                 "decode ", d, ": a row outside the batch, or more positions than its table holds");
+    check_block_ids(block_tables.data_ptr<int64_t>() + d * block_tables.size(1), lens[d], key_cache.size(1),
+                    key_cache.size(0));
+  }
   Problem pb{query.data_ptr<float>(), query.stride(0), rows, key_cache.data_ptr<float>(),
              value_cache.data_ptr<float>(), block_tables.data_ptr<int64_t>(), block_tables.size(1), lens,
              out.data_ptr<float>(), static_cast<int>(num_decodes), static_cast<int>(query.size(1)),

@@ -53,8 +53,9 @@ __attribute__((target("avx512f"))) void rotate_token(float* heads, int64_t num_h
 }  // namespace
 
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.dtype() == at::kFloat && gate_up.dim() == 2 && gate_up.is_contiguous() &&
-                  gate_up.size(1) % 2 == 0, "gate_up: contiguous float32 [tokens, 2 * intermediate]");
+  TORCH_CHECK(gate_up.dtype() == at::kFloat && gate_up.device().is_cpu() && gate_up.dim() == 2 &&
+                  gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "gate_up: contiguous float32 [tokens, 2 * intermediate] on the CPU");
   const int64_t rows = gate_up.size(0), size = gate_up.size(1) / 2;
   at::Tensor out = at::empty({rows, size}, gate_up.options());
   const float* in = gate_up.data_ptr<float>();
@@ -67,12 +68,14 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 }
 
 void rotate_(at::Tensor heads, const at::Tensor& cos, const at::Tensor& signed_sin) {
-  TORCH_CHECK(heads.dtype() == at::kFloat && heads.dim() == 3 && heads.stride(2) == 1, "heads: float32 [T, H, D]");
+  TORCH_CHECK(heads.dtype() == at::kFloat && heads.device().is_cpu() && heads.dim() == 3 && heads.stride(2) == 1,
+              "heads: float32 [T, H, D] on the CPU");
   const int64_t tokens = heads.size(0), num_heads = heads.size(1), head_dim = heads.size(2);
-  TORCH_CHECK(head_dim % 2 == 0 && heads.stride(1) >= head_dim, "heads: an even head_dim, heads not overlapping");
+  TORCH_CHECK(head_dim % 2 == 0 && heads.stride(1) >= head_dim && heads.stride(0) >= num_heads * heads.stride(1),
+              "heads: an even head_dim, no two heads or tokens overlapping");
   for (const at::Tensor* table : {&cos, &signed_sin})
-    TORCH_CHECK(table->dtype() == at::kFloat && table->is_contiguous() && table->numel() == tokens * head_dim,
-                "cos and signed_sin: contiguous float32 [T, 1, D]");
+    TORCH_CHECK(table->dtype() == at::kFloat && table->device().is_cpu() && table->is_contiguous() &&
+                    table->numel() == tokens * head_dim, "cos and signed_sin: contiguous float32 [T, 1, D] on the CPU");
   float* data = heads.data_ptr<float>();
   const float* cos_data = cos.data_ptr<float>();
   const float* sin_data = signed_sin.data_ptr<float>();

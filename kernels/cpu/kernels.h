@@ -6,6 +6,15 @@
 
 bool supported();
 
+// Checks shared by the attention kernels: float32 CPU tensors, caches [num_blocks, block_size,
+// num_kv_heads, head_dim] contiguous and alike, query [.., num_q_heads, head_dim] (rows may be strided)
+// with num_q_heads a multiple of num_kv_heads, `out` contiguous in the query's shape.
+void check_attention_arguments(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                               const at::Tensor& out);
+
+// Every block id that positions [0, seq_len) use lies in the cache (a bad id would read outside it).
+void check_block_ids(const int64_t* table, int64_t seq_len, int64_t block_size, int64_t num_blocks);
+
 // Causal attention of a sequence's last `query.size(0)` positions over its paged keys and values,
 // written into `out` [query_len, num_q_heads, head_dim] (contiguous).
 void prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,

@@ -41,7 +41,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 // with whole vectors of rows: no horizontal reductions, and both products broadcast from the packed
 // keys and values, which are plain rows copied out of the cache.
 
-// scores[j][r] = sum_d keys[j][d] * queries_t[d][r] for 8 keys x 32 rows.
+// scores[j][r] = sum_d keys[j][d] * queries_t[d][r] for 8 keys x kRowBlock rows.
 template <int kHeadDim>
 __attribute__((target("avx512f"), noinline)) void score_block(const float* queries_t, int padded_rows,
                                                            const float* keys, float* scores) {
@@ -61,7 +61,7 @@ __attribute__((target("avx512f"), noinline)) void score_block(const float* queri
     for (int v = 0; v < kRowVectors; ++v) _mm512_storeu_ps(scores + j * padded_rows + 16 * v, acc[j][v]);
 }
 
-// out_t[d][r] = out_t[d][r] * rescale[r] + sum_j probs[j][r] * values[j][d] for 8 dims x 32 rows.
+// out_t[d][r] = out_t[d][r] * rescale[r] + sum_j probs[j][r] * values[j][d] for 8 dims x kRowBlock rows.
 template <int kHeadDim>
 __attribute__((target("avx512f"), noinline)) void value_block(const float* probs, int padded_rows, int num_keys,
                                                            const float* values, const float* rescale,
@@ -205,17 +205,14 @@ void attend_all(const Problem& pb) {
 // own keys and values are already in the cache. Writes out [num_tokens, num_q_heads, head_dim].
 void prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                        const at::Tensor& block_table, int64_t seq_len, double scale, at::Tensor out) {
-  TORCH_CHECK(supported(), "this CPU has no AVX-512");
-  TORCH_CHECK(query.dtype() == at::kFloat && key_cache.dtype() == at::kFloat &&
-                  value_cache.dtype() == at::kFloat && out.dtype() == at::kFloat, "float32 only");
-  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2), "query layout");
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes(), "out: contiguous, the query's shape");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(block_table.dtype() == at::kLong && block_table.is_contiguous(), "block_table: contiguous int64");
+  check_attention_arguments(query, key_cache, value_cache, out);
   const int head_dim = query.size(2);
   TORCH_CHECK(head_dim == 64 || head_dim == 128, "head_dim 64 or 128");
-  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "query heads: a multiple of the kv heads");
-  TORCH_CHECK(seq_len >= query.size(0) && block_table.numel() * key_cache.size(1) >= seq_len, "seq_len");
+  TORCH_CHECK(block_table.dtype() == at::kLong && block_table.is_contiguous() && block_table.device().is_cpu(),
+              "block_table: contiguous int64 on the CPU");
+  TORCH_CHECK(seq_len >= query.size(0) && block_table.numel() * key_cache.size(1) >= seq_len,
+              "seq_len: at least the query's tokens, and no more positions than the block table holds");
+  check_block_ids(block_table.data_ptr<int64_t>(), seq_len, key_cache.size(1), key_cache.size(0));
   Problem pb{query.data_ptr<float>(), query.stride(0), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
              block_table.data_ptr<int64_t>(), out.data_ptr<float>(), static_cast<int>(query.size(0)),
              static_cast<int>(query.size(1)), static_cast<int>(key_cache.size(2)), static_cast<int>(key_cache.size(1)),

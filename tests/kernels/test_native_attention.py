@@ -101,7 +101,7 @@ def test_the_torch_backend_sends_prefills_and_decodes_to_them(kernel, paged_batc
     meta = _written(batch)
     backend = get_attention_backend("torch", CPU)
     out = backend.attend(batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, meta, batch.scale)
-    plan = meta.backend_cache[("torch", 16)]
+    plan = meta.backend_cache[("torch", 16, True)]
     assert [prefill.seq_len for prefill in plan.native_prefills] == [37, 65]
     assert plan.native_decodes.seq_lens.tolist() == [31, 65] and not plan.decode_batches
     assert len(plan.fresh_prefills) == 1 and not plan.context_prefills  # the one-token prompt
@@ -113,14 +113,60 @@ def test_head_dims_it_does_not_cover_stay_on_the_torch_path(kernel, paged_batch,
     meta = _written(batch)
     backend = get_attention_backend("torch", CPU)
     out = backend.attend(batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, meta, batch.scale)
-    plan = meta.backend_cache[("torch", 8)]
+    plan = meta.backend_cache[("torch", 8, False)]
     assert not plan.native_prefills and len(plan.fresh_prefills) == len(plan.context_prefills) == 1
     assert plan.native_decodes is None and len(plan.decode_batches) == 1
     assert relative_error(out, _reference(batch)) < 2e-6
 
 
-def test_it_can_be_switched_off(monkeypatch):
-    monkeypatch.setenv(DISABLE_ENV, "0")
+def test_more_than_16_queries_per_kv_head_stay_on_the_torch_path(kernel, paged_batch, relative_error):
+    """The decode kernel keeps a kv head's queries in registers, 16 at most: wider groups fall back."""
+    batch = paged_batch([(0, 9), (20, 1)], block_size=16, num_kv_heads=1, queries_per_kv=32, head_dim=64)
+    meta = _written(batch)
+    backend = get_attention_backend("torch", CPU)
+    out = backend.attend(batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, meta, batch.scale)
+    assert ("torch", 16, False) in meta.backend_cache
+    assert relative_error(out, _reference(batch)) < 2e-6
+
+
+def test_bad_arguments_are_refused_not_read(kernels, paged_batch):
+    """Block ids outside the cache, or caches that do not match the query, raise before any read."""
+    batch = paged_batch([(20, 4)], block_size=16, num_kv_heads=3, queries_per_kv=3, head_dim=64)
+    blocks = torch.tensor(batch.block_tables[0])
+    out = torch.empty_like(batch.query)
+    for bad_block in (-1, batch.key_cache.shape[0], 10**8):
+        bad = blocks.clone()
+        bad[-1] = bad_block
+        with pytest.raises(RuntimeError, match="outside the cache"):
+            kernels.prefill_attention(batch.query, batch.key_cache, batch.value_cache, bad, 24, 0.1, out)
+        with pytest.raises(RuntimeError, match="outside the cache"):
+            kernels.decode_attention(batch.query, torch.tensor([0]), batch.key_cache, batch.value_cache, bad[None],
+                                     torch.tensor([24]), 0.1, out)
+    with pytest.raises(RuntimeError, match="caches: contiguous and alike"):
+        kernels.prefill_attention(batch.query, batch.key_cache, batch.value_cache[:, :, :, :32].contiguous(), blocks,
+                                  24, 0.1, out)
+    with pytest.raises(RuntimeError, match="the cache's head_dim"):
+        kernels.prefill_attention(batch.query, batch.key_cache[..., :32].contiguous(),
+                                  batch.value_cache[..., :32].contiguous(), blocks, 24, 0.1, out)
+
+
+def test_a_nan_in_the_cache_shows_in_the_output(kernels, paged_batch):
+    """As with torch's kernels: corrupt keys must not be silently averaged away."""
+    batch = paged_batch([(30, 2)], block_size=16, num_kv_heads=3, queries_per_kv=3, head_dim=64)
+    _written(batch)
+    batch.key_cache[batch.block_tables[0][1], 3, 0, 5] = float("nan")  # position 19, kv head 0
+    blocks = torch.tensor(batch.block_tables[0])
+    prefill = kernels.prefill_attention(batch.query, batch.key_cache, batch.value_cache, blocks, 32, batch.scale)
+    decode = torch.zeros_like(batch.query)
+    kernels.decode_attention(batch.query, torch.tensor([1]), batch.key_cache, batch.value_cache, blocks[None],
+                             torch.tensor([32]), batch.scale, decode)
+    for attended in (prefill, decode[1:]):
+        assert attended[:, :3].isnan().all() and not attended[:, 3:].isnan().any()  # only kv head 0's queries
+
+
+@pytest.mark.parametrize("switch", ["0", "off", "False"])
+def test_it_can_be_switched_off(monkeypatch, switch):
+    monkeypatch.setenv(DISABLE_ENV, switch)
     native_cpu_kernels.cache_clear()
     try:
         assert native_cpu_kernels() is None

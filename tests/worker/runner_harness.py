@@ -103,14 +103,17 @@ class HandScheduler:
 
 def save_tiny_checkpoint(kind: str, out_dir: Path, *, max_shard_size: str | None = None) -> Path:
     """A randomly initialised checkpoint: "llama" (tied), "llama3" (its rope scaling), "llama-linear"
-    (linear rope scaling), "mistral", or "qwen2" (QKV bias)."""
+    (linear rope scaling), "llama-d64" (head_dim 64, which the native CPU attention serves), "mistral",
+    or "qwen2" (QKV bias)."""
     common = dict(vocab_size=320, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
                   rms_norm_eps=1e-6, eos_token_id=2, bos_token_id=1,
                   # Ten times transformers' default: at 0.02 a greedy continuation repeats one token,
                   # which a wrong cached prefix would not change.
                   initializer_range=0.2)
-    torch.manual_seed({"llama": 1, "llama3": 2, "qwen2": 3, "mistral": 4, "llama-linear": 5}[kind])
+    if kind == "llama-d64":
+        common.update(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed({"llama": 1, "llama3": 2, "qwen2": 3, "mistral": 4, "llama-linear": 5, "llama-d64": 6}[kind])
     if kind == "qwen2":
         config = transformers.Qwen2Config(**common, tie_word_embeddings=False,
                                           rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})

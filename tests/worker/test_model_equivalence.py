@@ -84,7 +84,7 @@ def greedy_runs(runner: ModelRunner, prompts: list[list[int]], block_size: int) 
     return runs
 
 
-@pytest.fixture(scope="module", params=["llama", "llama3", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "llama3", "qwen2", "llama-d64"])
 def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
     shard = "100KB" if request.param == "qwen2" else None  # the Qwen2 checkpoint is sharded
     model_dir = save_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param), max_shard_size=shard)
