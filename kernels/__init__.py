@@ -1,4 +1,5 @@
-"""Paged KV cache and attention kernels: Triton for CUDA, a vectorized torch path for CPU, plain-torch references.
+"""Paged KV cache and attention kernels: Triton for CUDA, a torch path for CPU with native C++ kernels
+where they run (`native_cpu`, `cpu/`), plain-torch references.
 
 Importing this package never imports Triton: the Triton kernel modules (`triton_paged_attention`,
 `triton_reshape_and_cache`) load only when the Triton backend is asked for, because `@triton.jit`
