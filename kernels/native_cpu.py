@@ -3,9 +3,9 @@
 The first process that asks builds them with torch's extension builder (about 30 s on two cores)
 into `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), which later processes reuse; a
 file lock there keeps concurrent builders apart. Building needs a C++ compiler and ninja (the
-`worker` extra installs ninja). Where they cannot run (no AVX-512, a failed build,
-`PREFIXCACHE_NATIVE_KERNELS=0`, or `false`, `no`, `off`), `native_cpu_kernels()` says why in the log once and returns None,
-and torch's own kernels serve, a little slower. They cover float32 only.
+`worker` extra installs ninja). Where they cannot run (no AVX-512, a failed build, or
+`PREFIXCACHE_NATIVE_KERNELS` set to 0, false, no or off), `native_cpu_kernels()` says why in the log
+once and returns None, and torch's own kernels serve, a little slower. They cover float32 only.
 """
 
 from __future__ import annotations
@@ -97,8 +97,9 @@ class NativeCpuKernels:
 @functools.cache
 def native_cpu_kernels() -> NativeCpuKernels | None:
     """The kernels, built if need be; None (logged once) where they cannot run here."""
-    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        _log.info("native CPU kernels disabled by %s=0", DISABLE_ENV)
+    switch = os.environ.get(DISABLE_ENV, "1")
+    if switch.strip().lower() in ("0", "false", "no", "off"):
+        _log.info("native CPU kernels disabled by %s=%s", DISABLE_ENV, switch)
         return None
     if sys.platform != "linux" or not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         _log.info("the native CPU kernels need AVX-512 on Linux; using torch's kernels")

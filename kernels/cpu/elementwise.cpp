@@ -53,6 +53,7 @@ __attribute__((target("avx512f"))) void rotate_token(float* heads, int64_t num_h
 }  // namespace
 
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(supported(), "this CPU has no AVX-512");
   TORCH_CHECK(gate_up.dtype() == at::kFloat && gate_up.device().is_cpu() && gate_up.dim() == 2 &&
                   gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "gate_up: contiguous float32 [tokens, 2 * intermediate] on the CPU");
@@ -68,6 +69,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 }
 
 void rotate_(at::Tensor heads, const at::Tensor& cos, const at::Tensor& signed_sin) {
+  TORCH_CHECK(supported(), "this CPU has no AVX-512");
   TORCH_CHECK(heads.dtype() == at::kFloat && heads.device().is_cpu() && heads.dim() == 3 && heads.stride(2) == 1,
               "heads: float32 [T, H, D] on the CPU");
   const int64_t tokens = heads.size(0), num_heads = heads.size(1), head_dim = heads.size(2);

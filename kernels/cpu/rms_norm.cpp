@@ -53,6 +53,7 @@ void check(const at::Tensor& tensor, const char* name) {
 
 void normalize_rows(const at::Tensor& hidden, at::Tensor* residual, at::Tensor& out, const at::Tensor& weight,
                     double eps) {
+  TORCH_CHECK(supported(), "this CPU has no AVX-512");
   check(hidden, "hidden");
   check(weight, "weight");
   const int64_t size = hidden.size(-1), rows = hidden.numel() / size;
