@@ -13,6 +13,7 @@ import torch
 from prefixcache.kernels import AttentionMetadata, get_attention_backend, paged_attention_reference
 from prefixcache.kernels.native_cpu import DISABLE_ENV, native_cpu_kernels
 from prefixcache.kernels.reference import reshape_and_cache_reference
+from prefixcache.kernels.torch_attention import TorchAttentionPlan
 
 pytestmark = pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
                                 reason="the native prefill attention needs AVX-512")
@@ -219,3 +220,17 @@ def test_decode_rows_outside_the_batch_are_refused(kernels, paged_batch):
     with pytest.raises(RuntimeError, match="more positions than its table holds"):
         kernels.decode_attention(batch.query, torch.tensor([0]), batch.key_cache, batch.value_cache, tables,
                                  torch.tensor([200]), batch.scale, torch.empty_like(batch.query))
+
+
+@pytest.mark.parametrize("shared_blocks,cascaded", [(64, False), (74, True)])
+def test_beside_the_native_decode_kernel_only_large_shared_prefixes_cascade(kernels, shared_blocks, cascaded):
+    """8 decodes sharing 64 blocks save 7 x 1,024 re-read positions, under the 8,192 a cascade needs
+    there; sharing 74 blocks saves 8,288. The torch path alone cascades both (256)."""
+    shared = list(range(shared_blocks))
+    tables = [shared + [shared_blocks + i] for i in range(8)]
+    seq_len = shared_blocks * 16 + 5
+    meta = AttentionMetadata.build([1] * 8, [seq_len] * 8, tables, 16, CPU)
+    native_plan = TorchAttentionPlan.build(meta, 16, native=True)
+    assert bool(native_plan.cascades) == cascaded
+    assert (native_plan.native_decodes is None) == cascaded
+    assert len(TorchAttentionPlan.build(meta, 16).cascades) == 1

@@ -152,11 +152,13 @@ def test_torch_kernels_alone_keep_the_guarantee(tiny_model, monkeypatch) -> None
 
 def test_tiny_checkpoint_greedy_matches_transformers_through_cascade_attention(tiny_model, monkeypatch) -> None:
     """Decodes reading the same cached blocks attend to them once, as a cascade merged by log-sum-exp.
-    It normally needs 256 saved positions; forced here for the short prompts, it must change nothing."""
+    It normally needs 256 saved positions (8,192 beside the native decode kernel); forced here for the
+    short prompts, it must change nothing."""
     model_dir, reference = tiny_model
     cascades = []
     attend_cascade = torch_attention._attend_cascade
     monkeypatch.setattr(torch_attention, "MIN_CASCADE_SAVED_POSITIONS", 1)
+    monkeypatch.setattr(torch_attention, "MIN_NATIVE_CASCADE_SAVED_POSITIONS", 1)
     monkeypatch.setattr(torch_attention, "_attend_cascade",
                         lambda *args: cascades.append(args[3]) or attend_cascade(*args))
     runner = ModelRunner(model_dir, attention_backend="torch")
