@@ -173,7 +173,6 @@ void decode_attention(const at::Tensor& query, const at::Tensor& token_rows, con
                   block_tables.device().is_cpu() && block_tables.size(0) == num_decodes,
               "block_tables: contiguous int64 [num_decodes, width]");
   const int head_dim = query.size(2);
-  TORCH_CHECK(head_dim == 64 || head_dim == 128, "head_dim 64 or 128");
   TORCH_CHECK(query.size(1) / key_cache.size(2) <= kMaxGroup, "at most 16 query heads per kv head");
   const int64_t* rows = token_rows.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();

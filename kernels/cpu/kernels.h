@@ -8,7 +8,7 @@ bool supported();
 
 // Checks shared by the attention kernels: float32 CPU tensors, caches [num_blocks, block_size,
 // num_kv_heads, head_dim] contiguous and alike, query [.., num_q_heads, head_dim] (rows may be strided)
-// with num_q_heads a multiple of num_kv_heads, `out` contiguous in the query's shape.
+// with num_q_heads a multiple of num_kv_heads, head_dim 64 or 128, `out` contiguous in the query's shape.
 void check_attention_arguments(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                const at::Tensor& out);
 

@@ -16,6 +16,7 @@ void check_attention_arguments(const at::Tensor& query, const at::Tensor& key_ca
                   query.stride(1) == query.size(2) && query.size(1) % key_cache.size(2) == 0,
               "query: [tokens, a multiple of the cache's kv heads, the cache's head_dim], heads packed");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == query.sizes(), "out: contiguous, the query's shape");
+  TORCH_CHECK(query.size(2) == 64 || query.size(2) == 128, "head_dim 64 or 128");
 }
 
 void check_block_ids(const int64_t* table, int64_t seq_len, int64_t block_size, int64_t num_blocks) {

@@ -207,7 +207,6 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, con
                        const at::Tensor& block_table, int64_t seq_len, double scale, at::Tensor out) {
   check_attention_arguments(query, key_cache, value_cache, out);
   const int head_dim = query.size(2);
-  TORCH_CHECK(head_dim == 64 || head_dim == 128, "head_dim 64 or 128");
   TORCH_CHECK(block_table.dtype() == at::kLong && block_table.is_contiguous() && block_table.device().is_cpu(),
               "block_table: contiguous int64 on the CPU");
   TORCH_CHECK(seq_len >= query.size(0) && block_table.numel() * key_cache.size(1) >= seq_len,
