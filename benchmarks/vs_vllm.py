@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from prefixcache.services.common.fork_handlers import turn_off_grpc_fork_handlers
@@ -126,25 +127,36 @@ class VllmServer:
 
 
 class VllmEndpoint:
-    """The driver's endpoint interface over vLLM's streaming `/v1/completions` (one thread per stream)."""
+    """The driver's endpoint interface over vLLM's streaming `/v1/completions`, one thread per stream.
 
-    def __init__(self, port: int, request_timeout_s: float = 600.0) -> None:
+    The threads come from a pool of `max_streams`, the run's concurrency: asyncio's default pool holds
+    min(32, CPUs + 4) threads, six on two cores, and queued streams beyond those would have held
+    vLLM's concurrency below ours. A stream's clock starts when the driver sends it, before any wait
+    for a thread.
+    """
+
+    def __init__(self, port: int, max_streams: int, request_timeout_s: float = 600.0) -> None:
         self._port = port
         self._timeout_s = request_timeout_s
+        self._pool = ThreadPoolExecutor(max_streams, thread_name_prefix="vllm-stream")
+
+    def close(self) -> None:
+        self._pool.shutdown(cancel_futures=True)
 
     async def evictions(self) -> int:
         return 0  # vLLM exports no eviction counter
 
     async def stream(self, request: BenchRequest, salt: str, clock: Callable[[], float]) -> RequestRecord:
-        return await asyncio.to_thread(self._stream, request, salt, clock)
+        record = RequestRecord(request_id=request.request_id, sent_s=clock())
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._stream, request, salt, clock, record)
 
-    def _stream(self, request: BenchRequest, salt: str, clock: Callable[[], float]) -> RequestRecord:
+    def _stream(self, request: BenchRequest, salt: str, clock: Callable[[], float], record: RequestRecord
+                ) -> RequestRecord:
         body = json.dumps({
             "model": SERVED_NAME, "prompt": list(request.prompt_token_ids), "max_tokens": request.max_tokens,
             "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
             "cache_salt": salt,
         })  # fmt: skip
-        record = RequestRecord(request_id=request.request_id, sent_s=clock())
         connection = http.client.HTTPConnection("127.0.0.1", self._port, timeout=self._timeout_s)
         try:
             connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
@@ -263,7 +275,11 @@ async def _run_both(config: BenchConfig, local: LocalSettings, server: VllmServe
     async with contextlib.AsyncExitStack() as stack:
         target = config.target or await stack.enter_async_context(local_platform(local, prefix_caching=True))
         await asyncio.to_thread(server.wait_ready)
-        return await compare(config, target, VllmEndpoint(server.port))
+        theirs = VllmEndpoint(server.port, config.concurrency)
+        try:
+            return await compare(config, target, theirs)
+        finally:
+            theirs.close()
 
 
 if __name__ == "__main__":
