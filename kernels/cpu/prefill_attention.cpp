@@ -26,6 +26,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -33,7 +34,7 @@ namespace {
 constexpr int kKeyTile = 64;      // keys per tile
 constexpr int kRowsPerItem = 96;  // query rows (tokens x group) an item aims for
 constexpr int kRowVectors = 3;    // rows per register block, in vectors of 16
-constexpr int kRowBlock = 16 * kRowVectors;  // rows are padded to a multiple of it
+constexpr int kRowBlock = 16 * kRowVectors;  // rows per full register block
 constexpr int kKeyBlock = 8;      // keys (scores) or head dims (values) per register block
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -41,48 +42,59 @@ constexpr float kLog2e = 1.4426950408889634f;
 // with whole vectors of rows: no horizontal reductions, and both products broadcast from the packed
 // keys and values, which are plain rows copied out of the cache.
 
-// scores[j][r] = sum_d keys[j][d] * queries_t[d][r] for 8 keys x kRowBlock rows.
-template <int kHeadDim>
+// scores[j][r] = sum_d keys[j][d] * queries_t[d][r] for 8 keys x 16 * kVectors rows.
+template <int kHeadDim, int kVectors>
 __attribute__((target("avx512f"), noinline)) void score_block(const float* queries_t, int padded_rows,
                                                            const float* keys, float* scores) {
-  __m512 acc[kKeyBlock][kRowVectors];
+  __m512 acc[kKeyBlock][kVectors];
   for (int j = 0; j < kKeyBlock; ++j)
-    for (int v = 0; v < kRowVectors; ++v) acc[j][v] = _mm512_setzero_ps();
+    for (int v = 0; v < kVectors; ++v) acc[j][v] = _mm512_setzero_ps();
   for (int d = 0; d < kHeadDim; ++d) {
-    __m512 q[kRowVectors];
-    for (int v = 0; v < kRowVectors; ++v) q[v] = _mm512_loadu_ps(queries_t + d * padded_rows + 16 * v);
+    __m512 q[kVectors];
+    for (int v = 0; v < kVectors; ++v) q[v] = _mm512_loadu_ps(queries_t + d * padded_rows + 16 * v);
 #pragma GCC unroll 8
     for (int j = 0; j < kKeyBlock; ++j) {
       const __m512 k = _mm512_set1_ps(keys[j * kHeadDim + d]);
-      for (int v = 0; v < kRowVectors; ++v) acc[j][v] = _mm512_fmadd_ps(k, q[v], acc[j][v]);
+      for (int v = 0; v < kVectors; ++v) acc[j][v] = _mm512_fmadd_ps(k, q[v], acc[j][v]);
     }
   }
   for (int j = 0; j < kKeyBlock; ++j)
-    for (int v = 0; v < kRowVectors; ++v) _mm512_storeu_ps(scores + j * padded_rows + 16 * v, acc[j][v]);
+    for (int v = 0; v < kVectors; ++v) _mm512_storeu_ps(scores + j * padded_rows + 16 * v, acc[j][v]);
 }
 
-// out_t[d][r] = out_t[d][r] * rescale[r] + sum_j probs[j][r] * values[j][d] for 8 dims x kRowBlock rows.
-template <int kHeadDim>
+// out_t[d][r] = out_t[d][r] * rescale[r] + sum_j probs[j][r] * values[j][d] for 8 dims x 16 * kVectors rows.
+template <int kHeadDim, int kVectors>
 __attribute__((target("avx512f"), noinline)) void value_block(const float* probs, int padded_rows, int num_keys,
                                                            const float* values, const float* rescale,
                                                            float* out_t) {
-  __m512 acc[kKeyBlock][kRowVectors];
-  for (int v = 0; v < kRowVectors; ++v) {
+  __m512 acc[kKeyBlock][kVectors];
+  for (int v = 0; v < kVectors; ++v) {
     const __m512 alpha = _mm512_loadu_ps(rescale + 16 * v);
     for (int d = 0; d < kKeyBlock; ++d)
       acc[d][v] = _mm512_mul_ps(_mm512_loadu_ps(out_t + d * padded_rows + 16 * v), alpha);
   }
   for (int j = 0; j < num_keys; ++j) {
-    __m512 p[kRowVectors];
-    for (int v = 0; v < kRowVectors; ++v) p[v] = _mm512_loadu_ps(probs + j * padded_rows + 16 * v);
+    __m512 p[kVectors];
+    for (int v = 0; v < kVectors; ++v) p[v] = _mm512_loadu_ps(probs + j * padded_rows + 16 * v);
 #pragma GCC unroll 8
     for (int d = 0; d < kKeyBlock; ++d) {
       const __m512 value = _mm512_set1_ps(values[j * kHeadDim + d]);
-      for (int v = 0; v < kRowVectors; ++v) acc[d][v] = _mm512_fmadd_ps(value, p[v], acc[d][v]);
+      for (int v = 0; v < kVectors; ++v) acc[d][v] = _mm512_fmadd_ps(value, p[v], acc[d][v]);
     }
   }
   for (int d = 0; d < kKeyBlock; ++d)
-    for (int v = 0; v < kRowVectors; ++v) _mm512_storeu_ps(out_t + d * padded_rows + 16 * v, acc[d][v]);
+    for (int v = 0; v < kVectors; ++v) _mm512_storeu_ps(out_t + d * padded_rows + 16 * v, acc[d][v]);
+}
+
+// Calls block(r, vectors) for each register block of rows, `vectors` a std::integral_constant: full
+// blocks of kRowVectors vectors, then one of the one or two left. Rows are padded to a vector only,
+// so a short chunk does not compute up to 32 rows of padding.
+template <typename Block>
+void for_each_row_block(int padded_rows, Block&& block) {
+  int r = 0;
+  for (; r + kRowBlock <= padded_rows; r += kRowBlock) block(r, std::integral_constant<int, kRowVectors>{});
+  if (padded_rows - r == 32) block(r, std::integral_constant<int, 2>{});
+  if (padded_rows - r == 16) block(r, std::integral_constant<int, 1>{});
 }
 
 struct Problem {
@@ -101,7 +113,7 @@ __attribute__((target("avx512f"))) void attend_item(const Problem& pb, int kv_he
                                                     int num_item_tokens) {
   const int group = pb.num_q_heads / pb.num_kv_heads;
   const int rows = num_item_tokens * group;  // row r: token first_token + r / group, head r % group
-  const int padded_rows = (rows + kRowBlock - 1) / kRowBlock * kRowBlock;
+  const int padded_rows = (rows + 15) / 16 * 16;
   const int first_position = pb.seq_len - pb.num_tokens + first_token;  // of the item's first token
   const float infinity = std::numeric_limits<float>::infinity();
 
@@ -135,10 +147,11 @@ __attribute__((target("avx512f"))) void attend_item(const Problem& pb, int kv_he
         std::fill_n(keys + j * kHeadDim, kHeadDim, 0.f);
       }
     }
-    for (int r = 0; r < padded_rows; r += kRowBlock)
+    for_each_row_block(padded_rows, [&](int r, auto vectors) {
       for (int j = 0; j < padded_keys; j += kKeyBlock)
-        score_block<kHeadDim>(queries_t.data() + r, padded_rows, keys + j * kHeadDim,
-                              scores.data() + j * padded_rows + r);
+        score_block<kHeadDim, decltype(vectors)::value>(queries_t.data() + r, padded_rows, keys + j * kHeadDim,
+                                       scores.data() + j * padded_rows + r);
+    });
 
     const bool causal_tile = key_start + num_keys - 1 > first_position;  // some key after some row
     for (int r = 0; r < padded_rows; r += 16) {
@@ -168,10 +181,11 @@ __attribute__((target("avx512f"))) void attend_item(const Problem& pb, int kv_he
       _mm512_storeu_ps(row_max.data() + r, new_max);
       _mm512_storeu_ps(row_sum.data() + r, _mm512_fmadd_ps(_mm512_loadu_ps(row_sum.data() + r), alpha, sum));
     }
-    for (int r = 0; r < padded_rows; r += kRowBlock)
+    for_each_row_block(padded_rows, [&](int r, auto vectors) {
       for (int d = 0; d < kHeadDim; d += kKeyBlock)
-        value_block<kHeadDim>(scores.data() + r, padded_rows, num_keys, values + d, rescale.data() + r,
-                              out_t.data() + d * padded_rows + r);
+        value_block<kHeadDim, decltype(vectors)::value>(scores.data() + r, padded_rows, num_keys, values + d, rescale.data() + r,
+                                       out_t.data() + d * padded_rows + r);
+    });
   }
 
   for (int r = 0; r < rows; ++r) {
@@ -184,8 +198,11 @@ __attribute__((target("avx512f"))) void attend_item(const Problem& pb, int kv_he
 template <int kHeadDim>
 void attend_all(const Problem& pb) {
   const int group = pb.num_q_heads / pb.num_kv_heads;
-  const int tokens_per_item = std::max(1, kRowsPerItem / group);
-  const int num_tiles = (pb.num_tokens + tokens_per_item - 1) / tokens_per_item;
+  // As many tiles as items of kRowsPerItem rows need, of equal size: 50 tokens make tiles of 25 and 25,
+  // not 32 and 18, so two threads get equal shares.
+  const int most_tokens_per_item = std::max(1, kRowsPerItem / group);
+  const int num_tiles = (pb.num_tokens + most_tokens_per_item - 1) / most_tokens_per_item;
+  const int tokens_per_item = most_tokens_per_item;
   const int64_t num_items = static_cast<int64_t>(num_tiles) * pb.num_kv_heads;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {

@@ -53,7 +53,8 @@ def _reference(batch) -> torch.Tensor:
 CASES = [
     pytest.param((0, 2), 3, 3, 64, 16, id="two-tokens"),
     pytest.param((0, 97), 3, 3, 64, 16, id="fresh-two-items"),  # 96 rows per item under GQA 3
-    pytest.param((992, 50), 3, 3, 64, 16, id="chunk-after-992"),
+    pytest.param((992, 50), 3, 3, 64, 16, id="chunk-after-992"),  # items of 96 and 54 -> 64 rows
+    pytest.param((40, 26), 3, 3, 64, 16, id="78-rows"),  # a full register block, then one of two vectors
     pytest.param((61, 70), 2, 4, 128, 4, id="d128-gqa4-bs4"),
     pytest.param((17, 33), 4, 1, 64, 1, id="mha-bs1"),
     pytest.param((5, 130), 1, 12, 128, 32, id="gqa12-bs32"),
