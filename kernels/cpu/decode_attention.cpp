@@ -24,6 +24,7 @@ namespace {
 
 constexpr int kSplit = 512;  // positions per work item at most
 constexpr int kMaxGroup = 16;  // query heads per key/value head
+constexpr int kPrefetchAhead = 16;  // positions
 constexpr float kLog2e = 1.4426950408889634f;
 
 struct Problem {
@@ -45,6 +46,13 @@ struct Partial {
   float max[kMaxGroup];
   float sum[kMaxGroup];
 };
+
+// Asks for one head's key (or value) row a few positions ahead: blocks lie anywhere in the cache, and
+// a position's head is one short run of every row, so the hardware prefetchers do not see it coming.
+template <int kHeadDim>
+inline void prefetch_head(const float* row) {
+  for (int i = 0; i < kHeadDim; i += 16) _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T0);
+}
 
 template <int kHeadDim>
 __attribute__((target("avx512f"))) void attend_split(const Problem& pb, int decode, int kv_head, int start,
@@ -71,6 +79,7 @@ __attribute__((target("avx512f"))) void attend_split(const Problem& pb, int deco
   const int padded = (count + 15) / 16 * 16;
   std::vector<float> scores(static_cast<size_t>(group) * padded, -std::numeric_limits<float>::infinity());
   for (int j = 0; j < count; ++j) {
+    if (j + kPrefetchAhead < count) prefetch_head<kHeadDim>(pb.key_cache + offsets[j + kPrefetchAhead]);
     __m512 key[kVecs];
     for (int c = 0; c < kVecs; ++c) key[c] = _mm512_loadu_ps(pb.key_cache + offsets[j] + c * 16);
     for (int g = 0; g < group; ++g) {
@@ -99,6 +108,7 @@ __attribute__((target("avx512f"))) void attend_split(const Problem& pb, int deco
   for (int g = 0; g < group; ++g)
     for (int c = 0; c < kVecs; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int j = 0; j < count; ++j) {
+    if (j + kPrefetchAhead < count) prefetch_head<kHeadDim>(pb.value_cache + offsets[j + kPrefetchAhead]);
     const float* value = pb.value_cache + offsets[j];
     __m512 v[kVecs];
     for (int c = 0; c < kVecs; ++c) v[c] = _mm512_loadu_ps(value + c * 16);
