@@ -26,7 +26,8 @@ _log = logging.getLogger(__name__)
 DISABLE_ENV = "PREFIXCACHE_NATIVE_KERNELS"
 SOURCE_DIR = Path(__file__).parent / "cpu"
 SOURCES = [SOURCE_DIR / name for name in
-           ("module.cpp", "prefill_attention.cpp", "decode_attention.cpp", "rms_norm.cpp", "elementwise.cpp")]
+           ("module.cpp", "prefill_attention.cpp", "decode_attention.cpp", "rms_norm.cpp", "elementwise.cpp",
+            "few_row_linear.cpp")]
 ATTENTION_HEAD_DIMS = (64, 128)
 MAX_QUERIES_PER_KV_HEAD = 16  # the decode kernel's register budget
 
@@ -87,6 +88,15 @@ class NativeCpuKernels:
         """silu(gate) * up for `gate_up` = [gate | up] on the last axis ([T, 2I] contiguous float32), as a
         new contiguous [T, I]."""
         return self.module.silu_and_mul(gate_up)
+
+    def pack_few_row_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """A linear layer's float32 weight [out, in], packed once for `few_row_linear`."""
+        return self.module.pack_few_row_weight(weight)
+
+    def few_row_linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+        """x [at most 16 rows, in] (rows contiguous) @ weight.T + bias, from `pack_few_row_weight(weight)`."""
+        return self.module.few_row_linear(x, packed, out_features, bias)
 
     def rotate_(self, heads: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """`rotary.rotate` in place, to the bit: heads [T, H, D] float32 (rows may be strided)."""

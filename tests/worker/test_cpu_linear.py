@@ -6,15 +6,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from prefixcache.kernels.native_cpu import native_cpu_kernels
 from prefixcache.services.worker.models.cpu_linear import (
+    ABOVE_FEW_ROWS,
     ALL_ROWS,
     FLOAT32_BLOCKED_ROWS,
+    CpuLayout,
     CpuLinear,
-    choose_blocked_rows,
+    choose_layout,
     swap_in_cpu_linears,
 )
 
-ROW_COUNTS = (1, 2, 7, 8, 32, 33, 100)
+ROW_COUNTS = (1, 2, 7, 8, 16, 17, 32, 33, 100)
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
 
@@ -24,12 +27,21 @@ def _weights(dtype: torch.dtype, bias: bool) -> tuple[torch.Tensor, torch.Tensor
     return weight, (torch.randn(96, generator=generator).to(dtype) if bias else None)
 
 
+def _layouts() -> list:
+    layouts = [CpuLayout(None), CpuLayout(FLOAT32_BLOCKED_ROWS), CpuLayout(ALL_ROWS)]
+    native = native_cpu_kernels()
+    if native is not None:
+        layouts += [CpuLayout(ABOVE_FEW_ROWS, native), CpuLayout(None, native)]
+    return [pytest.param(layout, id=f"blocked={layout.blocked_rows}-few={layout.few_rows is not None}")
+            for layout in layouts]
+
+
 @needs_onednn
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("blocked_rows", [None, FLOAT32_BLOCKED_ROWS, ALL_ROWS])
-def test_float32_matches_linear_for_every_row_count(bias: bool, blocked_rows: range | None) -> None:
+@pytest.mark.parametrize("layout", _layouts())
+def test_float32_matches_linear_for_every_row_count(bias: bool, layout: CpuLayout) -> None:
     weight, bias_tensor = _weights(torch.float32, bias)
-    layer = CpuLinear(weight, bias_tensor, blocked_rows)
+    layer = CpuLinear(weight, bias_tensor, layout)
     for rows in ROW_COUNTS:
         x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
         torch.testing.assert_close(layer(x), F.linear(x, weight, bias_tensor), rtol=1e-5, atol=1e-5)
@@ -40,8 +52,8 @@ def test_float32_matches_linear_for_every_row_count(bias: bool, blocked_rows: ra
                     reason="this CPU has no oneDNN bfloat16 support")
 def test_bfloat16_blocked_for_all_rows_matches_linear() -> None:
     weight, bias = _weights(torch.bfloat16, True)
-    layer = CpuLinear(weight, bias, ALL_ROWS)
-    assert layer.weight_t is None  # the blocked copy is the only one
+    layer = CpuLinear(weight, bias, CpuLayout(ALL_ROWS))
+    assert layer.weight_t is None and layer.weight_packed is None  # the blocked copy is the only one
     for rows in ROW_COUNTS:
         x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).bfloat16()
         torch.testing.assert_close(layer(x).float(), F.linear(x, weight, bias).float(), rtol=2e-2, atol=2e-2)
@@ -49,18 +61,31 @@ def test_bfloat16_blocked_for_all_rows_matches_linear() -> None:
 
 def test_transposed_copy_only_without_blocked_rows() -> None:
     weight, _ = _weights(torch.float32, False)
-    layer = CpuLinear(weight, None, None)
-    assert layer.weight_blocked is None
+    layer = CpuLinear(weight, None, CpuLayout(None))
+    assert layer.weight_blocked is None and layer.weight_packed is None
     assert layer.weight_t.shape == (64, 96) and layer.weight_t.is_contiguous()
     assert torch.equal(layer.weight_t, weight.t())
 
 
 @needs_onednn
-def test_blocked_copy_depends_on_dtype_and_memory() -> None:
-    assert choose_blocked_rows(torch.float32, 1 << 20) == FLOAT32_BLOCKED_ROWS
-    assert choose_blocked_rows(torch.float32, 1 << 62) == ALL_ROWS  # no room for a second copy: blocked only
+def test_layout_depends_on_dtype_memory_and_the_native_kernels() -> None:
+    assert choose_layout(torch.float32, 1 << 20) == CpuLayout(FLOAT32_BLOCKED_ROWS)
+    assert choose_layout(torch.float32, 1 << 62) == CpuLayout(ALL_ROWS)  # no room for a second copy: blocked only
     expected_bf16 = ALL_ROWS if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
-    assert choose_blocked_rows(torch.bfloat16, 1 << 62) == expected_bf16  # one copy, whatever the size
+    assert choose_layout(torch.bfloat16, 1 << 62) == CpuLayout(expected_bf16)  # one copy, whatever the size
+    native = native_cpu_kernels()
+    if native is not None:
+        assert choose_layout(torch.float32, 1 << 20, native) == CpuLayout(ABOVE_FEW_ROWS, native)
+        assert choose_layout(torch.float32, 1 << 62, native) == CpuLayout(ALL_ROWS)
+
+
+def test_with_the_few_row_kernel_no_transposed_copy_is_made() -> None:
+    native = native_cpu_kernels()
+    if native is None:
+        pytest.skip("the native CPU kernels do not run here")
+    weight, _ = _weights(torch.float32, False)
+    layer = CpuLinear(weight, None, CpuLayout(ABOVE_FEW_ROWS, native))
+    assert layer.weight_t is None and layer.weight_packed is not None and layer.weight_blocked is not None
 
 
 def test_swap_replaces_every_linear_and_keeps_the_function() -> None:
@@ -68,7 +93,7 @@ def test_swap_replaces_every_linear_and_keeps_the_function() -> None:
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Sequential(nn.Linear(32, 16, bias=False)))
     x = torch.randn(5, 64)
     expected = model(x)
-    assert swap_in_cpu_linears(model, None) == 2
+    assert swap_in_cpu_linears(model, CpuLayout(None)) == 2
     assert not any(isinstance(module, nn.Linear) for module in model.modules())
     torch.testing.assert_close(model(x), expected)
 

@@ -26,39 +26,64 @@ On an Intel Xeon VM with AVX-512 (2026-12-04 night) the projections alone favour
 copy above 32 rows (64 rows 70.7 / 85.2, 1,050 rows 714 / 894), yet the whole model, blocked for
 2-32 rows against 2 rows and up, differed by 2% at most (prefill 1,024 tokens 1,089 / 1,108 ms,
 decode batch 64 160 / 161 ms a step), so one rule serves both CPUs.
-The choice is fixed, not timed at start-up: the two layouts' float32 results differ by up to 1e-4,
+The native few-row kernel (`kernels/cpu/few_row_linear.cpp`, float32, AVX-512) streams a third
+layout, panels of 32 output columns, with software prefetches. On the Intel Xeon VM (2026-12-05), all
+projections of the 30 layers, weights not in cache, ms (oneDNN blocked / few-row): 1 row 21.5 / 15.9,
+2 rows 21.9 / 17.2, 4 rows 22.0 / 18.9, 8 rows 25.7 / 20.9, 16 rows 31.9 / 26.6 (the transposed
+copy, 1 row: 15.1). Where it runs, it serves 1 to 16 rows and the blocked copy the rest, so no
+transposed copy is made.
+The choice is fixed, not timed at start-up: the layouts' float32 results differ by up to 1e-4,
 and workers of one deployment must agree on greedy tokens.
 """
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 from torch import nn
 
+from prefixcache.kernels.native_cpu import NativeCpuKernels
 from prefixcache.services.worker.kv_memory import free_device_memory
 
 FLOAT32_BLOCKED_ROWS = range(2, sys.maxsize)
 ALL_ROWS = range(0, sys.maxsize)
+FEW_ROWS = 16  # the most rows the native few-row kernel takes
+ABOVE_FEW_ROWS = range(FEW_ROWS + 1, sys.maxsize)
 _BLOCKED_HINT_ROWS = 8  # the row count oneDNN tunes its reorder for
 # float32 weights get a second, transposed copy for single-row steps while all projections' weights
 # take at most this share of the memory available after loading; otherwise the blocked copy alone.
 _TWO_COPIES_MEMORY_SHARE = 0.25
 
 
-def choose_blocked_rows(dtype: torch.dtype, projection_bytes: int) -> range | None:
-    """Row counts that should use the blocked layout (None: no blocked copy) for these weights."""
-    if not _blocked_layout_works(dtype):
-        return None
+@dataclass(frozen=True)
+class CpuLayout:
+    """Which copy of each weight serves which row count: with `few_rows` (the native kernels), 1 to
+    FEW_ROWS rows use a packed copy; `blocked_rows` use oneDNN's blocked copy (None: none made);
+    any other row count uses a transposed copy, made only if some row count needs it."""
+
+    blocked_rows: range | None
+    few_rows: NativeCpuKernels | None = None
+
+
+def choose_layout(dtype: torch.dtype, projection_bytes: int, native: NativeCpuKernels | None = None) -> CpuLayout:
+    """The layout for these weights; `native`: the native kernels, for float32 weights where they run."""
     if dtype == torch.bfloat16:
-        return ALL_ROWS
+        return CpuLayout(ALL_ROWS if _blocked_layout_works(dtype) else None)
+    if dtype != torch.float32:
+        return CpuLayout(None)
+    blocked = _blocked_layout_works(dtype)
     try:
-        available = free_device_memory(torch.device("cpu"))
+        two_copies = projection_bytes <= _TWO_COPIES_MEMORY_SHARE * free_device_memory(torch.device("cpu"))
     except (OSError, RuntimeError):  # no /proc/meminfo: do not guess, keep one copy
-        return ALL_ROWS
-    # With one copy only, the blocked one loses less where it loses (module docstring).
-    return FLOAT32_BLOCKED_ROWS if projection_bytes <= _TWO_COPIES_MEMORY_SHARE * available else ALL_ROWS
+        two_copies = False
+    if not two_copies:
+        # With one copy only, the blocked one loses less where it loses (module docstring).
+        return CpuLayout(ALL_ROWS if blocked else None)
+    if native is not None:
+        return CpuLayout(ABOVE_FEW_ROWS if blocked else None, native)
+    return CpuLayout(FLOAT32_BLOCKED_ROWS if blocked else None)
 
 
 @lru_cache(maxsize=None)
@@ -78,25 +103,29 @@ def _blocked_layout_works(dtype: torch.dtype) -> bool:
 
 
 class CpuLinear(nn.Module):
-    """`y = x @ weight.T + bias` for 2-D `x`, from weights laid out for the CPU (see module docstring).
+    """`y = x @ weight.T + bias` for 2-D `x`, from weights laid out for the CPU (see module docstring
+    and `CpuLayout`)."""
 
-    `blocked_rows` are the row counts served by the blocked copy (None: no blocked copy); every
-    other row count uses the transposed copy, which is only made if some row count needs it.
-    """
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, blocked_rows: range | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, layout: CpuLayout) -> None:
         super().__init__()
         weight = weight.detach()
         self.out_features, self.in_features = weight.shape
-        self.blocked_rows = blocked_rows or range(0)
-        transposed = None if self.blocked_rows == ALL_ROWS else weight.t().contiguous()
-        blocked = torch.ops.mkldnn._reorder_linear_weight(weight, _BLOCKED_HINT_ROWS) if blocked_rows else None
-        self.register_buffer("weight_t", transposed)
+        self.blocked_rows = layout.blocked_rows or range(0)
+        self.few_rows = layout.few_rows
+        first_other_row = FEW_ROWS + 1 if self.few_rows is not None else 1
+        needs_transposed = not (self.blocked_rows.start <= first_other_row and self.blocked_rows.stop == sys.maxsize)
+        packed = self.few_rows.pack_few_row_weight(weight) if self.few_rows is not None else None
+        blocked = torch.ops.mkldnn._reorder_linear_weight(weight, _BLOCKED_HINT_ROWS) if self.blocked_rows else None
+        self.register_buffer("weight_t", weight.t().contiguous() if needs_transposed else None)
         self.register_buffer("weight_blocked", blocked)
+        self.register_buffer("weight_packed", packed)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] in self.blocked_rows:
+        rows = x.shape[0]
+        if self.few_rows is not None and rows <= FEW_ROWS:
+            return self.few_rows.few_row_linear(x.contiguous(), self.weight_packed, self.out_features, self.bias)
+        if rows in self.blocked_rows:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight_blocked, self.bias, "none", [], "")
         if self.bias is None:
             return torch.mm(x, self.weight_t)
@@ -106,11 +135,12 @@ class CpuLinear(nn.Module):
         rows = self.blocked_rows
         blocked = "none" if not rows else "all" if rows == ALL_ROWS else \
             f"{rows.start}+" if rows.stop == sys.maxsize else f"{rows.start}-{rows.stop - 1}"
+        few = f", few_rows=1-{FEW_ROWS}" if self.few_rows is not None else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, blocked_rows={blocked}")
+                f"bias={self.bias is not None}, blocked_rows={blocked}{few}")
 
 
-def swap_in_cpu_linears(model: nn.Module, blocked_rows: range | None) -> int:
+def swap_in_cpu_linears(model: nn.Module, layout: CpuLayout) -> int:
     """Replace every `nn.Linear` in `model` by a `CpuLinear` holding the same weights; returns the count.
 
     The original weights are dropped with the replaced modules, so this runs once, after loading.
@@ -119,6 +149,6 @@ def swap_in_cpu_linears(model: nn.Module, blocked_rows: range | None) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, CpuLinear(child.weight, child.bias, blocked_rows))
+                setattr(parent, name, CpuLinear(child.weight, child.bias, layout))
                 replaced += 1
     return replaced

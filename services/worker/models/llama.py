@@ -18,7 +18,7 @@ from torch import nn
 
 from prefixcache.kernels.native_cpu import NativeCpuKernels, native_cpu_kernels
 from prefixcache.services.worker.model_config import ModelConfig
-from prefixcache.services.worker.models.cpu_linear import CpuLinear, choose_blocked_rows, swap_in_cpu_linears
+from prefixcache.services.worker.models.cpu_linear import CpuLinear, choose_layout, swap_in_cpu_linears
 from prefixcache.services.worker.models.rotary import RotaryEmbedding, rotate
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), each [num_blocks, block_size, Hkv, D]
@@ -179,11 +179,11 @@ class LlamaForCausalLM(nn.Module):
         projections = [m for m in self.modules() if isinstance(m, nn.Linear)]
         head = self.embed_tokens.weight if self.lm_head is None else None
         projection_bytes = sum(m.weight.nbytes for m in projections) + (head.nbytes if head is not None else 0)
-        blocked_rows = choose_blocked_rows(self.embed_tokens.weight.dtype, projection_bytes)
-        swap_in_cpu_linears(self, blocked_rows)
-        if head is not None:
-            self.lm_head = CpuLinear(head, None, blocked_rows)
         native = native_cpu_kernels() if self.embed_tokens.weight.dtype == torch.float32 else None
+        layout = choose_layout(self.embed_tokens.weight.dtype, projection_bytes, native)
+        swap_in_cpu_linears(self, layout)
+        if head is not None:
+            self.lm_head = CpuLinear(head, None, layout)
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, GatedMLP)):
                 module.native = native
