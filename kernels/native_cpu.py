@@ -95,7 +95,7 @@ class NativeCpuKernels:
 
     def few_row_linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
                        bias: torch.Tensor | None) -> torch.Tensor:
-        """x [at most 16 rows, in] (rows contiguous) @ weight.T + bias, from `pack_few_row_weight(weight)`."""
+        """x [at most 128 rows, in] (rows contiguous) @ weight.T + bias, from `pack_few_row_weight(weight)`."""
         return self.module.few_row_linear(x, packed, out_features, bias)
 
     def rotate_(self, heads: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

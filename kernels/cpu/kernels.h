@@ -41,6 +41,6 @@ void rotate_(at::Tensor heads, const at::Tensor& cos, const at::Tensor& signed_s
 // weight [N, K] packed for few_row_linear: [ceil(N / 32)][K][32], columns past N zero.
 at::Tensor pack_few_row_weight(const at::Tensor& weight);
 
-// x [rows <= 16 (0 too), K] @ weight.T (+ bias) from the packed weight: [rows, out_features].
+// x [rows <= 128 (0 too), K] @ weight.T (+ bias) from the packed weight: [rows, out_features].
 at::Tensor few_row_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                           const c10::optional<at::Tensor>& bias);

@@ -25,7 +25,7 @@ def test_every_row_count_matches_float64(kernels, out_features, in_features, wit
     weight = torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5
     bias = torch.randn(out_features, generator=generator) if with_bias else None
     packed = kernels.pack_few_row_weight(weight)
-    for rows in range(0, 17):  # none: a step that samples nothing
+    for rows in [*range(0, 17), 31, 64, 128]:  # none: a step that samples nothing
         x = torch.randn(rows, in_features, generator=generator)
         out = kernels.few_row_linear(x, packed, out_features, bias)
         assert out.shape == (rows, out_features)
@@ -54,8 +54,8 @@ def test_strided_rows(kernels):
 def test_bad_arguments_are_refused_not_read(kernels):
     weight = torch.randn(40, 32)
     packed = kernels.pack_few_row_weight(weight)
-    with pytest.raises(RuntimeError, match="at most 16 rows"):
-        kernels.few_row_linear(torch.randn(17, 32), packed, 40, None)
+    with pytest.raises(RuntimeError, match="at most 128 rows"):
+        kernels.few_row_linear(torch.randn(129, 32), packed, 40, None)
     with pytest.raises(RuntimeError, match="packed"):
         kernels.few_row_linear(torch.randn(2, 31), packed, 40, None)
     with pytest.raises(RuntimeError, match="packed"):

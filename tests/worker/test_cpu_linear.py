@@ -17,7 +17,7 @@ from prefixcache.services.worker.models.cpu_linear import (
     swap_in_cpu_linears,
 )
 
-ROW_COUNTS = (1, 2, 7, 8, 16, 17, 32, 33, 100)
+ROW_COUNTS = (1, 2, 7, 8, 16, 17, 32, 33, 100, 128, 129, 200)
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
 

@@ -29,9 +29,9 @@ decode batch 64 160 / 161 ms a step), so one rule serves both CPUs.
 The native few-row kernel (`kernels/cpu/few_row_linear.cpp`, float32, AVX-512) streams a third
 layout, panels of 32 output columns, with software prefetches. On the Intel Xeon VM (2026-12-05), all
 projections of the 30 layers, weights not in cache, ms (oneDNN blocked / few-row): 1 row 21.5 / 15.9,
-2 rows 21.9 / 17.2, 4 rows 22.0 / 18.9, 8 rows 25.7 / 20.9, 16 rows 31.9 / 26.6 (the transposed
-copy, 1 row: 15.1). Where it runs, it serves 1 to 16 rows and the blocked copy the rest, so no
-transposed copy is made.
+2 rows 21.9 / 17.2, 4 rows 22.0 / 18.9, 8 rows 25.7 / 20.9, 16 rows 31.9 / 26.6, 64 rows 71.3 / 59.0,
+128 rows 110 / 101, 192 rows 150 / 143, 256 rows 189 / 188 (the transposed copy, 1 row: 15.1).
+Where it runs, it serves 1 to 128 rows and the blocked copy the rest, so no transposed copy is made.
 The choice is fixed, not timed at start-up: the layouts' float32 results differ by up to 1e-4,
 and workers of one deployment must agree on greedy tokens.
 """
@@ -49,7 +49,7 @@ from prefixcache.services.worker.kv_memory import free_device_memory
 
 FLOAT32_BLOCKED_ROWS = range(2, sys.maxsize)
 ALL_ROWS = range(0, sys.maxsize)
-FEW_ROWS = 16  # the most rows the native few-row kernel takes
+FEW_ROWS = 128  # the most rows the native few-row kernel takes
 ABOVE_FEW_ROWS = range(FEW_ROWS + 1, sys.maxsize)
 _BLOCKED_HINT_ROWS = 8  # the row count oneDNN tunes its reorder for
 # float32 weights get a second, transposed copy for single-row steps while all projections' weights
