@@ -106,7 +106,9 @@ class VllmServer:
                 connection.request("GET", "/health")
                 if connection.getresponse().status == 200:
                     return
-            except OSError:
+            except (OSError, http.client.HTTPException):
+                # Not up yet; or something else answers on the port (taken between our choosing it
+                # and vLLM binding it), in which case vLLM exits and the poll above says why.
                 pass
             time.sleep(1)
         raise RuntimeError(f"vLLM not serving after {self._startup_timeout_s:.0f} s:\n{self.log_tail()}")
