@@ -52,8 +52,9 @@ ALL_ROWS = range(0, sys.maxsize)
 FEW_ROWS = 128  # the most rows the native few-row kernel takes
 ABOVE_FEW_ROWS = range(FEW_ROWS + 1, sys.maxsize)
 _BLOCKED_HINT_ROWS = 8  # the row count oneDNN tunes its reorder for
-# float32 weights get a second, transposed copy for single-row steps while all projections' weights
-# take at most this share of the memory available after loading; otherwise the blocked copy alone.
+# float32 weights get a second copy (packed for the few-row kernel, else transposed for single-row
+# steps) while all projections' weights take at most this share of the memory available after
+# loading; otherwise the blocked copy alone.
 _TWO_COPIES_MEMORY_SHARE = 0.25
 
 
