@@ -79,10 +79,12 @@ def test_layout_depends_on_dtype_memory_and_the_native_kernels() -> None:
         assert choose_layout(torch.float32, 1 << 62, native) == CpuLayout(ALL_ROWS)
 
 
+@needs_onednn
+@pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
+                    reason="the native few-row linear kernel needs AVX-512")
 def test_with_the_few_row_kernel_no_transposed_copy_is_made() -> None:
     native = native_cpu_kernels()
-    if native is None:
-        pytest.skip("the native CPU kernels do not run here")
+    assert native is not None, "the native kernels did not build on a CPU that runs them (see the log)"
     weight, _ = _weights(torch.float32, False)
     layer = CpuLinear(weight, None, CpuLayout(ABOVE_FEW_ROWS, native))
     assert layer.weight_t is None and layer.weight_packed is not None and layer.weight_blocked is not None
