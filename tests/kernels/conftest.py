@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from prefixcache.kernels.backends import triton_runs_interpreted
+from prefixcache.kernels.native_cpu import NativeCpuKernels, native_cpu_kernels
 
 INTERPRETED = not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -151,3 +152,12 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def relative_error() -> Callable[[torch.Tensor, torch.Tensor], float]:
     """||actual - expected|| / ||expected||, in float32 (a fixture so tests need not import this conftest)."""
     return _relative_error
+
+
+@pytest.fixture(scope="session")
+def kernels() -> NativeCpuKernels:
+    """The native CPU kernels, for test modules skipped without AVX-512: on a CPU that has it, a
+    kernel that fails to build fails the test rather than hiding behind torch's fallback."""
+    built = native_cpu_kernels()
+    assert built is not None, "the native kernels did not build on a CPU that runs them (see the log)"
+    return built

@@ -27,13 +27,6 @@ def device() -> torch.device:
 
 
 @pytest.fixture(scope="module")
-def kernels():
-    built = native_cpu_kernels()
-    assert built is not None, "the native kernels did not build on a CPU that runs them (see the log)"
-    return built
-
-
-@pytest.fixture(scope="module")
 def kernel(kernels):
     return kernels.prefill_attention
 

@@ -5,20 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixcache.kernels.native_cpu import native_cpu_kernels
 from prefixcache.services.worker.model_config import RopeConfig
 from prefixcache.services.worker.models.llama import RMSNorm
 from prefixcache.services.worker.models.rotary import RotaryEmbedding, rotate
 
 pytestmark = pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
                                 reason="the native kernels need AVX-512")
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    built = native_cpu_kernels()
-    assert built is not None, "the native kernels did not build on a CPU that runs them (see the log)"
-    return built
 
 
 def torch_norm(size: int, seed: int) -> RMSNorm:
