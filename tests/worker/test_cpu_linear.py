@@ -8,7 +8,6 @@ from torch import nn
 
 from prefixcache.kernels.native_cpu import native_cpu_kernels
 from prefixcache.services.worker.models.cpu_linear import (
-    ABOVE_FEW_ROWS,
     ALL_ROWS,
     FLOAT32_BLOCKED_ROWS,
     CpuLayout,
@@ -31,7 +30,7 @@ def _layouts() -> list:
     layouts = [CpuLayout(None), CpuLayout(FLOAT32_BLOCKED_ROWS), CpuLayout(ALL_ROWS)]
     native = native_cpu_kernels()
     if native is not None:
-        layouts += [CpuLayout(ABOVE_FEW_ROWS, native), CpuLayout(None, native)]
+        layouts.append(CpuLayout(None, native))
     return [pytest.param(layout, id=f"blocked={layout.blocked_rows}-few={layout.few_rows is not None}")
             for layout in layouts]
 
@@ -75,19 +74,19 @@ def test_layout_depends_on_dtype_memory_and_the_native_kernels() -> None:
     assert choose_layout(torch.bfloat16, 1 << 62) == CpuLayout(expected_bf16)  # one copy, whatever the size
     native = native_cpu_kernels()
     if native is not None:
-        assert choose_layout(torch.float32, 1 << 20, native) == CpuLayout(ABOVE_FEW_ROWS, native)
+        assert choose_layout(torch.float32, 1 << 20, native) == CpuLayout(None, native)
         assert choose_layout(torch.float32, 1 << 62, native) == CpuLayout(ALL_ROWS)
 
 
-@needs_onednn
 @pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
                     reason="the native few-row linear kernel needs AVX-512")
-def test_with_the_few_row_kernel_no_transposed_copy_is_made() -> None:
+def test_with_the_few_row_kernel_the_copies_are_packed_and_transposed() -> None:
     native = native_cpu_kernels()
     assert native is not None, "the native kernels did not build on a CPU that runs them (see the log)"
     weight, _ = _weights(torch.float32, False)
-    layer = CpuLinear(weight, None, CpuLayout(ABOVE_FEW_ROWS, native))
-    assert layer.weight_t is None and layer.weight_packed is not None and layer.weight_blocked is not None
+    layer = CpuLinear(weight, None, CpuLayout(None, native))
+    assert layer.weight_blocked is None and layer.weight_packed is not None
+    assert torch.equal(layer.weight_t, weight.t())
 
 
 def test_swap_replaces_every_linear_and_keeps_the_function() -> None:

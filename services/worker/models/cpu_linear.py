@@ -31,7 +31,10 @@ layout, panels of 32 output columns, with software prefetches. On the Intel Xeon
 projections of the 30 layers, weights not in cache, ms (oneDNN blocked / few-row): 1 row 21.5 / 15.9,
 2 rows 21.9 / 17.2, 4 rows 22.0 / 18.9, 8 rows 25.7 / 20.9, 16 rows 31.9 / 26.6, 64 rows 71.3 / 59.0,
 128 rows 110 / 101, 192 rows 150 / 143, 256 rows 189 / 188 (the transposed copy, 1 row: 15.1).
-Where it runs, it serves 1 to 128 rows and the blocked copy the rest, so no transposed copy is made.
+Where it runs, it serves 1 to 128 rows and the transposed copy the rest: on that VM (2026-12-05) the
+whole model's prefill took, ms, transposed / blocked above 128 rows: 160 tokens 176 / 197, 300 tokens
+323 / 335, 1,074 tokens 1,147 / 1,171, 2,048 tokens 2,502 / 2,573 (medians of six, interleaved); and
+the projections alone, 160 rows, 146 / 155-166. So no blocked copy is made there.
 The choice is fixed, not timed at start-up: the layouts' float32 results differ by up to 1e-4,
 and workers of one deployment must agree on greedy tokens.
 """
@@ -50,7 +53,6 @@ from prefixcache.services.worker.kv_memory import free_device_memory
 FLOAT32_BLOCKED_ROWS = range(2, sys.maxsize)
 ALL_ROWS = range(0, sys.maxsize)
 FEW_ROWS = 128  # the most rows the native few-row kernel takes
-ABOVE_FEW_ROWS = range(FEW_ROWS + 1, sys.maxsize)
 _BLOCKED_HINT_ROWS = 8  # the row count oneDNN tunes its reorder for
 # float32 weights get a second copy (packed for the few-row kernel, else transposed for single-row
 # steps) while all projections' weights take at most this share of the memory available after
@@ -83,7 +85,7 @@ def choose_layout(dtype: torch.dtype, projection_bytes: int, native: NativeCpuKe
         # With one copy only, the blocked one loses less where it loses (module docstring).
         return CpuLayout(ALL_ROWS if blocked else None)
     if native is not None:
-        return CpuLayout(ABOVE_FEW_ROWS if blocked else None, native)
+        return CpuLayout(None, native)
     return CpuLayout(FLOAT32_BLOCKED_ROWS if blocked else None)
 
 
