@@ -198,11 +198,8 @@ __attribute__((target("avx512f"))) void attend_item(const Problem& pb, int kv_he
 template <int kHeadDim>
 void attend_all(const Problem& pb) {
   const int group = pb.num_q_heads / pb.num_kv_heads;
-  // As many tiles as items of kRowsPerItem rows need, of equal size: 50 tokens make tiles of 25 and 25,
-  // not 32 and 18, so two threads get equal shares.
-  const int most_tokens_per_item = std::max(1, kRowsPerItem / group);
-  const int num_tiles = (pb.num_tokens + most_tokens_per_item - 1) / most_tokens_per_item;
-  const int tokens_per_item = most_tokens_per_item;
+  const int tokens_per_item = std::max(1, kRowsPerItem / group);
+  const int num_tiles = (pb.num_tokens + tokens_per_item - 1) / tokens_per_item;
   const int64_t num_items = static_cast<int64_t>(num_tiles) * pb.num_kv_heads;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
