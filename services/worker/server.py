@@ -22,6 +22,7 @@ from prefixcache.services.cli.arg_types import listen_port
 from prefixcache.services.common.compute_thread import ComputeThread
 from prefixcache.services.common.grpc_server import Servicer, configure_logging, run_server
 from prefixcache.services.common.step_codec import output_to_proto, step_from_proto
+from prefixcache.services.worker.openmp_wait import configure_openmp_wait
 
 if TYPE_CHECKING:
     from prefixcache.services.worker.model_runner import ModelRunner
@@ -133,6 +134,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
+    if not configure_openmp_wait():
+        log.warning("torch was imported before the worker set GOMP_SPINCOUNT: OpenMP keeps its default spin")
     from prefixcache.services.worker.kv_memory import parse_kv_cache_memory
 
     try:  # a typo should not cost a model load first
