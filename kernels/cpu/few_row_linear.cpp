@@ -95,9 +95,13 @@ at::Tensor few_row_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dtype() == at::kFloat && bias->dim() == 1 && bias->size(0) == out_features,
                 "bias: float32 [out_features]");
-    bias_padded = at::zeros({packed.size(0) * kPanel}, bias->options());
-    bias_padded.narrow(0, 0, out_features).copy_(*bias);
-    bias_data = bias_padded.data_ptr<float>();
+    if (out_features % kPanel == 0 && bias->is_contiguous()) {
+      bias_data = bias->data_ptr<float>();
+    } else {  // the last panel reads a whole panel's worth of bias
+      bias_padded = at::zeros({packed.size(0) * kPanel}, bias->options());
+      bias_padded.narrow(0, 0, out_features).copy_(*bias);
+      bias_data = bias_padded.data_ptr<float>();
+    }
   }
   const int64_t rows = x.size(0), k = x.size(1), panels = packed.size(0);
   at::Tensor y = at::empty({rows, out_features}, x.options());
