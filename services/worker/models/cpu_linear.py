@@ -76,17 +76,16 @@ def choose_layout(dtype: torch.dtype, projection_bytes: int, native: NativeCpuKe
         return CpuLayout(ALL_ROWS if _blocked_layout_works(dtype) else None)
     if dtype != torch.float32:
         return CpuLayout(None)
-    blocked = _blocked_layout_works(dtype)
     try:
         two_copies = projection_bytes <= _TWO_COPIES_MEMORY_SHARE * free_device_memory(torch.device("cpu"))
     except (OSError, RuntimeError):  # no /proc/meminfo: do not guess, keep one copy
         two_copies = False
-    if not two_copies:
-        # With one copy only, the blocked one loses less where it loses (module docstring).
-        return CpuLayout(ALL_ROWS if blocked else None)
-    if native is not None:
+    if two_copies and native is not None:
         return CpuLayout(None, native)
-    return CpuLayout(FLOAT32_BLOCKED_ROWS if blocked else None)
+    if not _blocked_layout_works(dtype):
+        return CpuLayout(None)
+    # With one copy only, the blocked one loses less where it loses (module docstring).
+    return CpuLayout(FLOAT32_BLOCKED_ROWS if two_copies else ALL_ROWS)
 
 
 @lru_cache(maxsize=None)
