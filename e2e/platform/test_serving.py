@@ -281,3 +281,34 @@ def test_a_request_id_already_in_flight_is_refused(target: str) -> None:
 
     error = run(main())
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and error.details().startswith("request_id:")
+
+
+@pytest.fixture(scope="module")
+def ahead_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPlatform]:
+    platform = start_platform(tmp_path_factory.mktemp("ahead-logs"), ["--schedule-ahead"])
+    yield platform
+    stop_platform(platform)
+
+
+def test_scheduling_ahead_changes_no_token(platform: LocalPlatform, ahead_platform: LocalPlatform) -> None:
+    """Eight concurrent greedy requests, half of them free to stop at EOS, on the real worker: the
+    tokens, their count and the finish reasons are the same when decode steps are sent ahead."""
+    prefix = shared_prefix(200, "the harbour")
+
+    def requests() -> list[pb.GenerateRequest]:
+        return [build_request(token_ids=prefix + question(f"What happened in note {n}?"), max_tokens=6 + 2 * n,
+                              temperature=0.0, ignore_eos=n % 2 == 0, request_id=f"ahead-{n}") for n in range(8)]
+
+    async def complete_all(target: str) -> dict[str, Completion]:
+        async with EngineClient(target) as engine:
+            completions = await asyncio.gather(*(engine.complete(r, timeout_s=300) for r in requests()))
+        return {c.request_id: c for c in completions}
+
+    before = scrape_metrics(ahead_platform)["prefixcache_steps_scheduled_ahead_total"]
+    one_at_a_time = run(complete_all(platform.engine_address))
+    ahead = run(complete_all(ahead_platform.engine_address))
+    for request_id, completion in one_at_a_time.items():
+        assert (ahead[request_id].token_ids, ahead[request_id].finish_reason) == (
+            completion.token_ids, completion.finish_reason), request_id
+    assert scrape_metrics(ahead_platform)["prefixcache_steps_scheduled_ahead_total"] > before + 5
+    assert scrape_metrics(platform)["prefixcache_steps_scheduled_ahead_total"] == 0

@@ -68,6 +68,9 @@ class SchedulerStep:
     # tokens to compute this step, per scheduled request (prefill chunk length, or 1 for decode)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     finished_request_ids: list[str] = field(default_factory=list)
+    # The step still in flight when this one was scheduled, which the worker must run first; None
+    # when every earlier step had returned.
+    follows_step_id: int | None = None
 
     @property
     def total_scheduled_tokens(self) -> int:

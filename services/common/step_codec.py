@@ -58,6 +58,7 @@ def step_to_proto(step: SchedulerStep) -> pb.Step:
         ],
         num_scheduled_tokens=step.num_scheduled_tokens,
         finished_request_ids=step.finished_request_ids,
+        follows_step_id=step.follows_step_id,
     )
 
 
@@ -82,6 +83,7 @@ def step_from_proto(message: pb.Step) -> SchedulerStep:
         ],
         num_scheduled_tokens=dict(message.num_scheduled_tokens),
         finished_request_ids=list(message.finished_request_ids),
+        follows_step_id=message.follows_step_id if message.HasField("follows_step_id") else None,
     )
 
 

@@ -100,6 +100,21 @@ _WORKER_LOST = "the worker was lost; retry the request"
 _STOPPED_AFTER_ERROR = "the engine stopped serving after an internal error"
 
 
+@dataclass(frozen=True)
+class _SentStep:
+    step: SchedulerStep
+    result: asyncio.Future[StepOutput]
+
+
+async def _cancel(sent: _SentStep | None) -> None:
+    """Cancel a step's call and wait for it to end, so that nothing of it reaches a new worker."""
+    if sent is None:
+        return
+    sent.result.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await sent.result
+
+
 class EngineCore:
     def __init__(
         self, config: SchedulerConfig, executor: StepExecutor, metrics: SchedulerMetrics | None = None
@@ -348,27 +363,45 @@ class EngineCore:
         self.metrics.bind(self._scheduler, held=lambda: len(self._held))
 
     async def _step_loop(self) -> None:
-        while True:
-            scheduler = self._scheduler
-            assert scheduler is not None
-            if not scheduler.has_work():
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            try:
-                step = scheduler.schedule()
-                output = await self._executor.execute(step)
-                outputs = scheduler.update_from_output(step, output)
-            except WorkerUnavailable as error:
-                await self._recover(error)
-                continue
-            except Exception as error:  # a bug or a worker answer that does not fit the step
-                log.exception("step failed; treating the worker state as lost")
-                await self._recover(error)
-                continue
-            for request_output in outputs:
-                self._deliver(request_output)
-            await asyncio.sleep(0)  # let clients and new requests in, even with an executor that never yields
+        """Schedule, execute, apply, deliver. While a step runs, the next one is scheduled and sent
+        ahead when the scheduler says it can be (decodes only, nobody waiting): the worker runs steps
+        in the order they were sent, so it starts the next as soon as it is free."""
+        running: _SentStep | None = None  # the oldest step in flight
+        ahead: _SentStep | None = None
+        try:
+            while True:
+                scheduler = self._scheduler
+                assert scheduler is not None
+                if running is None and not scheduler.has_work():
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                try:
+                    if running is None:
+                        running = self._send(scheduler.schedule())
+                    if self.config.schedule_ahead and scheduler.can_schedule_ahead():
+                        ahead = self._send(scheduler.schedule())
+                    output = await running.result
+                    outputs = scheduler.update_from_output(running.step, output)
+                except Exception as error:
+                    if not isinstance(error, WorkerUnavailable):  # a bug or an answer that does not fit the step
+                        log.exception("step failed; treating the worker state as lost")
+                    for sent in (running, ahead):
+                        await _cancel(sent)
+                    running = ahead = None
+                    await self._recover(error)
+                    continue
+                running, ahead = ahead, None
+                for request_output in outputs:
+                    self._deliver(request_output)
+                await asyncio.sleep(0)  # let clients and new requests in, even with an executor that never yields
+        finally:
+            for sent in (running, ahead):
+                if sent is not None:
+                    sent.result.cancel()
+
+    def _send(self, step: SchedulerStep) -> _SentStep:
+        return _SentStep(step, asyncio.ensure_future(self._executor.execute(step)))
 
     def _deliver(self, output: RequestOutput) -> None:
         self.metrics.output_delivered(output)

@@ -88,6 +88,8 @@ class SchedulerMetrics(Collector):
         yield counter("prefix_cache_evictions", "Cached blocks evicted to make room.", counters.evictions)
         yield counter("preemptions", "Requests preempted (recomputed) for lack of KV blocks.", counters.preemptions)
         yield counter("steps", "Scheduler steps executed.", counters.steps)
+        yield counter("steps_scheduled_ahead", "Scheduler steps sent while the step before them was still running.",
+                      counters.steps_ahead)
         stats = self._scheduler.kv_cache.stats()
         # The states partition the pool, so sum() is the pool's size; "cached" cuts across them.
         blocks = GaugeMetricFamily(

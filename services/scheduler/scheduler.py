@@ -17,6 +17,13 @@ When the KV cache has no room for a running request's next tokens, the most rece
 request is preempted by recompute: its blocks are freed (the full ones stay cached) and it goes back
 to the front of the waiting queue, where its re-admission may hit those same blocks again.
 
+While a step runs, the next one can be scheduled ahead when that delays no one: nothing waits for
+admission and every running request decodes. Each request then counts the token the step in flight
+will sample for it as pending: the next step feeds it back (the worker appends what it samples), the
+block it fills is hashed once the token is known, and a request whose pending token ends it by
+length is not scheduled again. One that the token in flight ends otherwise (EOS, a stop token) has
+computed one token for nothing, and the worker drops it a step later.
+
 The scheduler is synchronous and knows nothing of transport: `schedule()` builds a diff-based
 `SchedulerStep`, `update_from_output()` applies the worker's `StepOutput` and returns the outputs for
 the clients. `EngineCore` drives it.
@@ -54,6 +61,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # tokens computed per step at most (long prompts are chunked)
     max_waiting: int = 256  # waiting requests at most; beyond, new requests are refused
     max_model_len: int = 8192
+    # Send a decode step before the one running returns (see `can_schedule_ahead`): the worker then
+    # starts it as soon as it is free instead of waiting a round trip for it. That pays where the
+    # step runs on an accelerator and the CPU is idle meanwhile; where the worker's CPU threads run
+    # the step, the overlapped work competes with them for the cores (neutral on the 2-core dev box).
+    schedule_ahead: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "max_model_len"):
@@ -74,6 +86,7 @@ class SchedulerCounters:
     evictions: int = 0  # cached blocks whose hash was dropped to make room
     preemptions: int = 0
     steps: int = 0
+    steps_ahead: int = 0  # of those, scheduled while the step before was in flight
 
 
 class Scheduler:
@@ -94,7 +107,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self._dropped_ids: list[str] = []  # the worker must forget these at the next step
-        self._in_flight: dict[str, Request] = {}  # requests of the last step, by id
+        # Requests of each step in flight, by step id, each with whether the step samples for it.
+        self._in_flight: dict[int, dict[str, tuple[Request, bool]]] = {}
         self._next_step_id = 0
 
     # ---- queues ---------------------------------------------------------------------------------
@@ -122,18 +136,36 @@ class Scheduler:
         """Whether `schedule()` would produce a step worth sending."""
         return bool(self.requests or self._dropped_ids)
 
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step can be scheduled now, while the last one is in flight, at no one's
+        expense: nothing waits for admission (a request admitted a step later than it could have been
+        would pay for it in time to first token), every running request decodes the token that step
+        samples for it, and not every one of them ends by length with that token."""
+        return (not self.waiting and bool(self.running)
+                and all(request.num_pending_samples == 1 and request.num_computed_tokens == request.num_tokens
+                        for request in self.running)
+                and not all(map(self._ends_by_length, self.running)))
+
+    def _ends_by_length(self, request: Request) -> bool:
+        """Whether the tokens pending for `request` end it by length (max_tokens or the model's)."""
+        pending = request.num_pending_samples
+        return (len(request.output_token_ids) + pending >= request.max_tokens
+                or request.num_tokens + pending >= self.max_model_len)
+
     # ---- one step -------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerStep:
-        step = SchedulerStep(step_id=self._next_step_id, finished_request_ids=self._dropped_ids)
+        step = SchedulerStep(step_id=self._next_step_id, finished_request_ids=self._dropped_ids,
+                             follows_step_id=max(self._in_flight, default=None))
         self._next_step_id += 1
         self._dropped_ids = []
-        self._in_flight = {}
+        self._in_flight[step.step_id] = {}
         budget, preempted = self._schedule_running(step, self.config.max_num_batched_tokens)
         if not preempted:  # admitting while preempting would only evict what running requests need
             self._admit_waiting(step, budget)
         self._collect_evictions()
         self.counters.steps += 1
+        self.counters.steps_ahead += step.follows_step_id is not None
         return step
 
     def _schedule_running(self, step: SchedulerStep, budget: int) -> tuple[int, bool]:
@@ -143,7 +175,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._ends_by_length(request):  # the step in flight samples its last token
+                index += 1
+                continue
+            num_new = min(request.num_tokens + request.num_pending_samples - request.num_computed_tokens, budget)
             new_block_ids = self.kv_cache.allocate_slots(request.kv, num_new)
             while new_block_ids is None:
                 victim = self.running.pop()
@@ -163,6 +198,8 @@ class Scheduler:
         """Admit waiting requests in order, each taking its cached prefix, while room remains."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_pending_samples:  # preempted while a step was sampling for it
+                return
             hit_block_ids, account = self.kv_cache.get_computed_blocks(request.kv)
             counted = request.kv.counted  # set by the allocation below, the first time
             num_hit_tokens = len(hit_block_ids) * self.kv_cache.block_size
@@ -207,7 +244,10 @@ class Scheduler:
     def _mark_scheduled(self, request: Request, num_new: int, step: SchedulerStep) -> int:
         step.num_scheduled_tokens[request.request_id] = num_new
         request.kv.num_computed_tokens += num_new
-        self._in_flight[request.request_id] = request
+        samples = request.num_computed_tokens == request.num_tokens + request.num_pending_samples
+        if samples:
+            request.num_pending_samples += 1
+        self._in_flight[step.step_id][request.request_id] = (request, samples)
         return num_new
 
     def _preempt(self, request: Request, step: SchedulerStep) -> None:
@@ -232,6 +272,9 @@ class Scheduler:
         """
         if output.step_id != step.step_id:
             raise ValueError(f"output of step {output.step_id} applied to step {step.step_id}")
+        scheduled = self._in_flight.get(step.step_id)
+        if scheduled is None:
+            raise ValueError(f"step {step.step_id} is not in flight")
         outputs: list[RequestOutput] = []
         for request_id in output.sampled_token_ids:
             if request_id not in step.num_scheduled_tokens:
@@ -239,11 +282,9 @@ class Scheduler:
         # The whole answer is checked before any of it is taken: one that does not fit leaves every
         # request as it was (no token appended to some), and the engine treats the worker as lost.
         sampled: list[tuple[Request, int]] = []
-        for request_id in step.num_scheduled_tokens:
-            request = self._in_flight.get(request_id)
-            if request is None or self.requests.get(request_id) is not request:
-                continue  # aborted (and maybe re-added under the same id) while the step ran
-            samples = request.num_computed_tokens == request.num_tokens
+        for request_id, (request, samples) in scheduled.items():
+            if self.requests.get(request_id) is not request:
+                continue  # ended (and maybe re-added under the same id) while the step ran
             token_id = output.sampled_token_ids.get(request_id)
             if samples != (token_id is not None):
                 raise ValueError(
@@ -251,14 +292,15 @@ class Scheduler:
                 )
             if token_id is not None:  # None: mid-way through a chunked prefill
                 sampled.append((request, token_id))
+        del self._in_flight[step.step_id]
         for request, token_id in sampled:
+            request.num_pending_samples -= 1
             request.append_output_token(token_id)
             finish_reason = self._stop_reason(request, token_id)
             logprobs = output.logprobs.get(request.request_id)
             outputs.append(self._output(request, [token_id], finish_reason, (logprobs,) if logprobs else ()))
             if finish_reason is not None:
                 self._finish(request)
-        self._in_flight = {}
         return outputs
 
     def _stop_reason(self, request: Request, token_id: int) -> str | None:

@@ -23,6 +23,7 @@ from prefixcache.services.common.compute_thread import ComputeThread
 from prefixcache.services.common.grpc_server import Servicer, configure_logging, run_server
 from prefixcache.services.common.step_codec import output_to_proto, step_from_proto
 from prefixcache.services.worker.openmp_wait import configure_openmp_wait
+from prefixcache.services.worker.step_order import StepOrder, StepOutOfOrder
 
 if TYPE_CHECKING:
     from prefixcache.services.worker.model_runner import ModelRunner
@@ -58,7 +59,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.runner: ModelRunner | None = None
         self.kv_cache_memory = kv_cache_memory  # bytes; resolved once the model has loaded
         self._block_size: int | None = None
-        self._lock = asyncio.Lock()  # one step (or re-initialization) at a time
+        self._lock = asyncio.Lock()  # one step (or re-initialization) at a time, first come first served
+        self._step_order = StepOrder()
         self.compute = ComputeThread("torch")  # every torch call: loading, cache setup, steps
 
     async def _loaded(self, context: aio.ServicerContext) -> ModelRunner:
@@ -83,6 +85,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             except ValueError as error:  # the budget holds not even one block
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"kv_cache_memory: {error}")
             self._block_size = None  # no cache until the new one is in place: steps are refused meanwhile
+            await self._step_order.restart()
             try:
                 await self.compute.run(runner.initialize_kv_cache, num_blocks, request.block_size)
             except (MemoryError, RuntimeError) as error:  # torch.OutOfMemoryError is a RuntimeError
@@ -100,7 +103,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if self._block_size is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "InitializeCache must come before ExecuteStep")
         step = step_from_proto(request)
-        async with self._lock:
+        try:
+            generation = await self._step_order.begin(step.step_id, step.follows_step_id)
+        except StepOutOfOrder as error:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        async with self._lock:  # entered in the order the steps began
+            if not self._step_order.is_current(generation):
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"step {step.step_id}: InitializeCache came after it; its requests are gone")
             try:
                 output = await self.compute.run(runner.execute, step)
             except ValueError as error:  # a step that contradicts what the worker holds

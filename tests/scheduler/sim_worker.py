@@ -82,6 +82,7 @@ class SimulatedWorker:
         self.up = False
         self.answer_wrongly_next = False  # the next answer names another step (a confused worker)
         self.initialize_gate: asyncio.Event | None = None
+        self.in_flight = self.most_in_flight = 0  # execute calls under way at once
 
     def fail_next_step(self, down_for: int = 0) -> None:
         self.failures_pending += 1
@@ -104,13 +105,25 @@ class SimulatedWorker:
                           supports_multimodal=self.supports_multimodal)
 
     async def execute(self, step: SchedulerStep) -> StepOutput:
-        await asyncio.sleep(self.step_delay_s)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.step_delay_s)
+            return self._execute(step)
+        finally:
+            self.in_flight -= 1
+
+    def _execute(self, step: SchedulerStep) -> StepOutput:
         if self.failures_pending or not self.up:
             self.failures_pending = max(0, self.failures_pending - 1)
             self.up = False
             self.requests.clear()
             self.kv_memory.clear()
             raise WorkerUnavailable("simulated worker crashed")
+        if step.follows_step_id is not None:  # sent ahead: it must run right after the step it names
+            assert self.steps and self.steps[-1].step_id == step.follows_step_id, (
+                f"step {step.step_id} follows {step.follows_step_id} but ran after "
+                f"{self.steps[-1].step_id if self.steps else 'none'}")
         self.steps.append(step)
         output = self.run(step)
         if self.answer_wrongly_next:

@@ -25,7 +25,9 @@ BLOCK = 4
 
 
 def config(**overrides) -> SchedulerConfig:
-    return SchedulerConfig(block_size=BLOCK, **{"max_num_batched_tokens": 64, **overrides})
+    # Scheduling ahead is the path with more states (tokens pending, two steps in flight when the
+    # worker is lost): every test here takes it unless it says otherwise.
+    return SchedulerConfig(block_size=BLOCK, **{"max_num_batched_tokens": 64, "schedule_ahead": True, **overrides})
 
 
 def request(request_id, prompt, max_tokens=6, **kwargs) -> EngineRequest:
@@ -71,6 +73,25 @@ def test_sixteen_concurrent_streams_complete_with_the_reference_tokens():
         assert max(len(s.num_scheduled_tokens) for s in worker.steps) == 16
 
     run(body, SimulatedWorker(num_kv_blocks=256, vocab_size=VOCAB), max_num_batched_tokens=512)
+
+
+@pytest.mark.parametrize("schedule_ahead", [True, False])
+def test_decode_steps_are_sent_while_the_step_before_runs_unless_turned_off(schedule_ahead):
+    prompts = {f"r{i}": [(i * 11 + j) % VOCAB for j in range(6 + 5 * i)] for i in range(4)}
+
+    async def body(engine, worker):
+        results = await asyncio.gather(*(collect(engine.add_request(request(rid, p, 10 + i)))
+                                         for i, (rid, p) in enumerate(prompts.items())))
+        for i, ((rid, prompt), outputs) in enumerate(zip(prompts.items(), results)):
+            assert tokens_of(outputs) == reference_generation(prompt, 10 + i, VOCAB)
+        # The simulated worker checked that each step sent ahead ran right after the one it follows.
+        followers = [step for step in worker.steps if step.follows_step_id is not None]
+        if schedule_ahead:
+            assert worker.most_in_flight == 2 and len(followers) > len(worker.steps) // 2
+        else:
+            assert worker.most_in_flight == 1 and not followers
+
+    run(body, SimulatedWorker(num_kv_blocks=64, vocab_size=VOCAB, step_delay_s=0.002), schedule_ahead=schedule_ahead)
 
 
 @pytest.mark.parametrize("caching", [True, False])

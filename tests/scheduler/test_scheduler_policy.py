@@ -86,6 +86,7 @@ def test_a_prompt_that_would_not_finish_waits_rather_than_slow_down_the_prompts_
     answer(scheduler, step)
     step = scheduler.schedule()
     assert step.num_scheduled_tokens == {"a": 1, "b": 1, "c": 2}
+    answer(scheduler, step)
     run_to_completion(scheduler)
     assert scheduler.kv_cache.num_free_blocks == 16
 
@@ -104,6 +105,7 @@ def test_max_num_seqs_holds_requests_in_waiting_until_one_finishes():
     assert step.finished_request_ids == ["a"]  # the worker forgets a
     assert [r.request_id for r in step.new_requests] == ["c"]
     assert step.num_scheduled_tokens["b"] == 1
+    answer(scheduler, step)
     run_to_completion(scheduler)
     assert scheduler.kv_cache.num_free_blocks == 16
 

@@ -88,6 +88,35 @@ def test_greedy_generation_through_steps(runner, model_dir: Path) -> None:
     serve(runner, body)
 
 
+def test_a_step_sent_ahead_runs_after_the_step_it_follows_even_when_it_arrives_first(runner) -> None:
+    prompt = CAPITAL_PROMPT
+
+    async def body(stub: pb_grpc.WorkerStub) -> None:
+        await stub.InitializeCache(pb.InitializeCacheRequest(block_size=BLOCK))
+        prefill = SchedulerStep(0, new_requests=[NewRequestData("r", prompt, [5, 9, 2], 0)],
+                                num_scheduled_tokens={"r": len(prompt)})
+        # Decodes the token the prefill samples, which its sender has not seen yet.
+        decode = SchedulerStep(1, cached_requests=[CachedRequestData("r", [], len(prompt))],
+                               num_scheduled_tokens={"r": 1}, follows_step_id=0)
+        decode_call = asyncio.ensure_future(stub.ExecuteStep(step_to_proto(decode)))
+        await asyncio.sleep(0.2)
+        assert not decode_call.done()  # waits for the prefill
+        first = output_from_proto(await stub.ExecuteStep(step_to_proto(prefill)))
+        second = output_from_proto(await decode_call)
+        assert [first.sampled_token_ids["r"], second.sampled_token_ids["r"]] == CAPITAL_ANSWER[:2]
+
+        # A step that follows one from before InitializeCache is refused: its requests are gone.
+        stale = asyncio.ensure_future(stub.ExecuteStep(step_to_proto(SchedulerStep(3, follows_step_id=2))))
+        await asyncio.sleep(0.1)
+        await stub.InitializeCache(pb.InitializeCacheRequest(block_size=BLOCK))
+        with pytest.raises(grpc.RpcError) as error:
+            await stale
+        assert error.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "re-initialized" in error.value.details()
+
+    serve(runner, body)
+
+
 def test_step_before_initialization_is_refused(runner) -> None:
     async def body(stub: pb_grpc.WorkerStub) -> None:
         with pytest.raises(grpc.RpcError) as error:
