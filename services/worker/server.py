@@ -103,6 +103,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if self._block_size is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "InitializeCache must come before ExecuteStep")
         step = step_from_proto(request)
+        if step.follows_step_id is not None and step.follows_step_id >= step.step_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"follows_step_id: {step.follows_step_id} must come before step_id {step.step_id}")
         try:
             generation = await self._step_order.begin(step.step_id, step.follows_step_id)
         except StepOutOfOrder as error:

@@ -105,6 +105,11 @@ def test_a_step_sent_ahead_runs_after_the_step_it_follows_even_when_it_arrives_f
         second = output_from_proto(await decode_call)
         assert [first.sampled_token_ids["r"], second.sampled_token_ids["r"]] == CAPITAL_ANSWER[:2]
 
+        with pytest.raises(grpc.RpcError) as error:  # a step cannot follow itself or a later one
+            await stub.ExecuteStep(step_to_proto(SchedulerStep(5, follows_step_id=5)))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.value.details().startswith("follows_step_id:")
+
         # A step that follows one from before InitializeCache is refused: its requests are gone.
         stale = asyncio.ensure_future(stub.ExecuteStep(step_to_proto(SchedulerStep(3, follows_step_id=2))))
         await asyncio.sleep(0.1)
