@@ -54,16 +54,20 @@ inline void prefetch_head(const float* row) {
   for (int i = 0; i < kHeadDim; i += 16) _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T0);
 }
 
-template <int kHeadDim>
+// kGroup: the query heads per key/value head, or 0 to read it from the problem. Known at compile
+// time, the loops over the group unroll and the value accumulators stay in registers (held in an
+// array indexed at run time, they went through memory on every multiply-add).
+template <int kHeadDim, int kGroup>
 __attribute__((target("avx512f"))) void attend_split(const Problem& pb, int decode, int kv_head, int start,
                                                      int end, Partial& partial, float* values_out) {
   constexpr int kVecs = kHeadDim / 16;
-  const int group = pb.num_q_heads / pb.num_kv_heads;
+  constexpr int kGroupCapacity = kGroup ? kGroup : kMaxGroup;
+  const int group = kGroup ? kGroup : pb.num_q_heads / pb.num_kv_heads;
   const int count = end - start;
   const int64_t position_stride = static_cast<int64_t>(pb.num_kv_heads) * kHeadDim;
   const int64_t* table = pb.block_tables + decode * pb.table_width;
 
-  __m512 query[kMaxGroup][kVecs];
+  __m512 query[kGroupCapacity][kVecs];
   const float* query_row = pb.query + pb.token_rows[decode] * pb.query_row_stride + kv_head * group * kHeadDim;
   const __m512 query_scale = _mm512_set1_ps(pb.scale * kLog2e);  // scores in base 2
   for (int g = 0; g < group; ++g)
@@ -104,7 +108,7 @@ __attribute__((target("avx512f"))) void attend_split(const Problem& pb, int deco
     partial.sum[g] = _mm512_reduce_add_ps(sum);
   }
 
-  __m512 acc[kMaxGroup][kVecs];
+  __m512 acc[kGroupCapacity][kVecs];
   for (int g = 0; g < group; ++g)
     for (int c = 0; c < kVecs; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int j = 0; j < count; ++j) {
@@ -121,9 +125,26 @@ __attribute__((target("avx512f"))) void attend_split(const Problem& pb, int deco
     for (int c = 0; c < kVecs; ++c) _mm512_storeu_ps(values_out + g * kHeadDim + c * 16, acc[g][c]);
 }
 
+using SplitFunction = void (*)(const Problem&, int, int, int, int, Partial&, float*);
+
+// The common group sizes get their own compiled split; larger ones share the general one.
+template <int kHeadDim>
+SplitFunction split_for_group(int group) {
+  switch (group) {
+    case 1: return attend_split<kHeadDim, 1>;
+    case 2: return attend_split<kHeadDim, 2>;
+    case 3: return attend_split<kHeadDim, 3>;
+    case 4: return attend_split<kHeadDim, 4>;
+    case 6: return attend_split<kHeadDim, 6>;
+    case 8: return attend_split<kHeadDim, 8>;
+    default: return attend_split<kHeadDim, 0>;
+  }
+}
+
 template <int kHeadDim>
 void attend_all(const Problem& pb) {
   const int group = pb.num_q_heads / pb.num_kv_heads;
+  const SplitFunction attend_split_of_group = split_for_group<kHeadDim>(group);
   std::vector<int64_t> first_item(pb.num_decodes + 1, 0);  // items of decode d: per head, its splits
   for (int d = 0; d < pb.num_decodes; ++d) {
     const int64_t splits = (pb.seq_lens[d] + kSplit - 1) / kSplit;
@@ -140,7 +161,7 @@ void attend_all(const Problem& pb) {
       const int64_t local = item - first_item[d];
       const int kv_head = static_cast<int>(local / splits), split = static_cast<int>(local % splits);
       const int start = split * kSplit, stop = std::min<int64_t>(start + kSplit, pb.seq_lens[d]);
-      attend_split<kHeadDim>(pb, d, kv_head, start, stop, partials[item],
+      attend_split_of_group(pb, d, kv_head, start, stop, partials[item],
                              values.data() + item * group * kHeadDim);
     }
   });
