@@ -1,19 +1,33 @@
 """Killing the worker mid-stream: in-flight requests end UNAVAILABLE; a restarted worker serves again
-with an empty cache."""
+with an empty cache. Both with one step at a time and with decode steps sent ahead (two steps in
+flight when the worker dies)."""
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
-from platform_harness import run
+from platform_harness import run, scrape_metrics, start_platform, stop_platform
 from platform_prompts import question, shared_prefix
 
 from prefixcache.services.cli.launcher import LocalPlatform
 from prefixcache.services.common.engine_client import Completion, EngineClient, build_request
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", params=[[], ["--schedule-ahead"]], ids=["one-step-at-a-time", "scheduling-ahead"])
+def platform(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPlatform]:
+    platform = start_platform(tmp_path_factory.mktemp("worker-loss-logs"), request.param)
+    yield platform
+    stop_platform(platform)
+
+
+@pytest.fixture(scope="module")
+def target(platform: LocalPlatform) -> str:
+    return platform.engine_address
 
 
 async def complete_when_back(engine: EngineClient, request, timeout_s: float = 120) -> Completion:
@@ -48,6 +62,8 @@ def test_worker_killed_mid_stream_then_restarted(platform: LocalPlatform, target
             # The worker's address stays in the scheduler's log; the client learns what happened.
             assert "worker was lost" in error.value.details()
             assert platform.worker.address not in error.value.details()
+            if "--schedule-ahead" in platform.config.scheduler_args:  # the loss found steps sent ahead
+                assert scrape_metrics(platform)["prefixcache_steps_scheduled_ahead_total"] > 0
 
             platform.restart_worker()
             after = await complete_when_back(engine, warm)
