@@ -89,15 +89,8 @@ async def serve(args: argparse.Namespace) -> int:
     engine.on_worker_availability = publish_worker_availability
 
     async def start_engine() -> None:
-        while True:
-            try:
-                await engine.start()
-                break
-            except WorkerUnavailable as error:
-                log.info("waiting for the worker: %s", error)
-                await asyncio.sleep(STARTUP_RETRY_S)
-        info = engine.worker_info
-        log.info("engine ready: %s, %d KV blocks of %d tokens", info.model_id, info.num_kv_blocks, config.block_size)
+        # Metrics first: a port that is taken fails the start at once, not after the worker's model
+        # has loaded, and the counters can be scraped while the scheduler waits for the worker.
         if args.metrics_port is not None:
             from prometheus_client import start_http_server
 
@@ -107,6 +100,15 @@ async def serve(args: argparse.Namespace) -> int:
             except OSError as error:
                 raise RuntimeError(f"cannot serve metrics on {address}:{args.metrics_port} (--metrics-port): "
                                    f"{error.strerror or error}") from None
+        while True:
+            try:
+                await engine.start()
+                break
+            except WorkerUnavailable as error:
+                log.info("waiting for the worker: %s", error)
+                await asyncio.sleep(STARTUP_RETRY_S)
+        info = engine.worker_info
+        log.info("engine ready: %s, %d KV blocks of %d tokens", info.model_id, info.num_kv_blocks, config.block_size)
 
     async def stop_engine(grace_s: float) -> None:
         deadline = asyncio.get_running_loop().time() + grace_s

@@ -259,3 +259,23 @@ def test_a_service_that_never_serves_is_named_with_its_log(tmp_path: Path) -> No
         assert platform.worker.address in message  # the scheduler logs what it is waiting for
     finally:
         platform.scheduler.kill()
+
+
+def test_a_taken_metrics_port_fails_the_scheduler_before_it_waits_for_a_worker() -> None:
+    """The metrics port is bound first: taken, the scheduler exits at once and names the flag, rather
+    than after a worker (here one that never answers) has loaded its model."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        metrics_port = taken.getsockname()[1]
+        started = time.monotonic()
+        result = subprocess.run([sys.executable, "-m", "prefixcache.services.cli.main", "scheduler", "--host",
+                                 "127.0.0.1", "--port", str(free_port()), "--tokenizer", f"127.0.0.1:{free_port()}",
+                                 "--worker", f"127.0.0.1:{free_port()}", "--metrics-port", str(metrics_port)],
+                                capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert f"cannot serve metrics on 127.0.0.1:{metrics_port} (--metrics-port)" in result.stderr
+    assert "waiting for the worker" not in result.stderr
+    assert time.monotonic() - started < 30
