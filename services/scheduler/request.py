@@ -76,9 +76,6 @@ class Request:
     cache_account: CacheAccount | None = None
     num_preemptions: int = 0
     known_to_worker: bool = False  # the worker holds its state (sent as new, not yet dropped)
-    # Tokens that steps in flight will sample for it: scheduled ahead, the next step feeds them
-    # back before the scheduler knows them (the worker appends what it samples itself).
-    num_pending_samples: int = 0
     sent_first_output: bool = False
     pending_evictions: list[EvictionBatch] = field(default_factory=list)
     origin: EngineRequest | None = None  # what was submitted, to submit again after a worker loss

@@ -142,13 +142,19 @@ class Scheduler:
         would pay for it in time to first token), every running request decodes the token that step
         samples for it, and not every one of them ends by length with that token."""
         return (not self.waiting and bool(self.running)
-                and all(request.num_pending_samples == 1 and request.num_computed_tokens == request.num_tokens
+                and all(self._pending_samples(request) == 1 and request.num_computed_tokens == request.num_tokens
                         for request in self.running)
                 and not all(map(self._ends_by_length, self.running)))
 
+    def _pending_samples(self, request: Request) -> int:
+        """Tokens the steps in flight will sample for `request`: the next step feeds them back before
+        the scheduler knows them (the worker appends what it samples itself)."""
+        return sum(entry[1] for scheduled in self._in_flight.values()
+                   if (entry := scheduled.get(request.request_id)) is not None and entry[0] is request)
+
     def _ends_by_length(self, request: Request) -> bool:
         """Whether the tokens pending for `request` end it by length (max_tokens or the model's)."""
-        pending = request.num_pending_samples
+        pending = self._pending_samples(request)
         return (len(request.output_token_ids) + pending >= request.max_tokens
                 or request.num_tokens + pending >= self.max_model_len)
 
@@ -178,7 +184,7 @@ class Scheduler:
             if self._ends_by_length(request):  # the step in flight samples its last token
                 index += 1
                 continue
-            num_new = min(request.num_tokens + request.num_pending_samples - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens + self._pending_samples(request) - request.num_computed_tokens, budget)
             new_block_ids = self.kv_cache.allocate_slots(request.kv, num_new)
             while new_block_ids is None:
                 victim = self.running.pop()
@@ -198,7 +204,7 @@ class Scheduler:
         """Admit waiting requests in order, each taking its cached prefix, while room remains."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if request.num_pending_samples:  # preempted while a step was sampling for it
+            if self._pending_samples(request):  # preempted while a step was sampling for it
                 return
             hit_block_ids, account = self.kv_cache.get_computed_blocks(request.kv)
             counted = request.kv.counted  # set by the allocation below, the first time
@@ -244,9 +250,7 @@ class Scheduler:
     def _mark_scheduled(self, request: Request, num_new: int, step: SchedulerStep) -> int:
         step.num_scheduled_tokens[request.request_id] = num_new
         request.kv.num_computed_tokens += num_new
-        samples = request.num_computed_tokens == request.num_tokens + request.num_pending_samples
-        if samples:
-            request.num_pending_samples += 1
+        samples = request.num_computed_tokens == request.num_tokens + self._pending_samples(request)
         self._in_flight[step.step_id][request.request_id] = (request, samples)
         return num_new
 
@@ -294,7 +298,6 @@ class Scheduler:
                 sampled.append((request, token_id))
         del self._in_flight[step.step_id]
         for request, token_id in sampled:
-            request.num_pending_samples -= 1
             request.append_output_token(token_id)
             finish_reason = self._stop_reason(request, token_id)
             logprobs = output.logprobs.get(request.request_id)
