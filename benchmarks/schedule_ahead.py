@@ -90,7 +90,7 @@ class DecodeDriver:
     async def intervals(self, decodes: int, ahead: bool) -> list[float]:
         """Seconds between consecutive step results, `decodes` steps, sent ahead or one at a time."""
         await self.start(decodes)
-        stamps = []
+        stamps = []  # when each step's result arrived
         if ahead:
             in_flight = asyncio.ensure_future(self.executor.execute(self.decode_step(ahead=False)))
             for _ in range(decodes - 1):
@@ -99,11 +99,11 @@ class DecodeDriver:
                 stamps.append(time.perf_counter())
                 in_flight = following
             await in_flight
+            stamps.append(time.perf_counter())
         else:
             for _ in range(decodes):
                 await self.executor.execute(self.decode_step(ahead=False))
                 stamps.append(time.perf_counter())
-        stamps.append(time.perf_counter())
         return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
