@@ -27,7 +27,7 @@ DISABLE_ENV = "PREFIXCACHE_NATIVE_KERNELS"
 SOURCE_DIR = Path(__file__).parent / "cpu"
 SOURCES = [SOURCE_DIR / name for name in
            ("module.cpp", "prefill_attention.cpp", "decode_attention.cpp", "rms_norm.cpp", "elementwise.cpp",
-            "few_row_linear.cpp")]
+            "few_row_linear.cpp", "few_row_blocks.cpp")]
 ATTENTION_HEAD_DIMS = (64, 128)
 MAX_QUERIES_PER_KV_HEAD = 16  # the decode kernel's register budget
 
@@ -93,9 +93,15 @@ class NativeCpuKernels:
         """A linear layer's float32 weight [out, in], packed once for `few_row_linear`."""
         return self.module.pack_few_row_weight(weight)
 
+    def pack_few_row_blocks(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The same weight as exact 4-bit, else 8-bit blocks (a fifth or a quarter of the bytes), for
+        `few_row_linear`; None unless every weight is reproduced to the bit (`cpu/few_row_blocks.cpp`)."""
+        return self.module.pack_few_row_blocks(weight)
+
     def few_row_linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
                        bias: torch.Tensor | None) -> torch.Tensor:
-        """x [at most 128 rows, in] (rows contiguous) @ weight.T + bias, from `pack_few_row_weight(weight)`."""
+        """x [at most 128 rows, in] (rows contiguous) @ weight.T + bias, from `pack_few_row_weight(weight)`
+        or `pack_few_row_blocks(weight)`: the same bits either way."""
         return self.module.few_row_linear(x, packed, out_features, bias)
 
     def rotate_(self, heads: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

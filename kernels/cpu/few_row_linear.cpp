@@ -87,9 +87,12 @@ at::Tensor few_row_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
   TORCH_CHECK(x.dtype() == at::kFloat && x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1,
               "x: float32 [rows, in_features] on the CPU, rows contiguous");
   TORCH_CHECK(x.size(0) <= kMaxRows, "x: at most ", kMaxRows, " rows");
-  TORCH_CHECK(packed.dtype() == at::kFloat && packed.is_contiguous() && packed.dim() == 3 && packed.size(2) == kPanel &&
-                  packed.size(1) == x.size(1) && packed.size(0) == (out_features + kPanel - 1) / kPanel,
-              "packed: pack_few_row_weight of an [out_features, x.size(1)] weight");
+  const bool blocks = is_block_packed(packed);
+  const int64_t packed_k = blocks ? packed.size(1) * 32 : packed.size(1);
+  TORCH_CHECK((blocks || (packed.dtype() == at::kFloat && packed.dim() == 3 && packed.size(2) == kPanel)) &&
+                  packed.is_contiguous() && packed_k == x.size(1) &&
+                  packed.size(0) == (out_features + kPanel - 1) / kPanel,
+              "packed: pack_few_row_weight or pack_few_row_blocks of an [out_features, x.size(1)] weight");
   const float* bias_data = nullptr;
   at::Tensor bias_padded;
   if (bias.has_value() && bias->defined()) {
@@ -105,6 +108,10 @@ at::Tensor few_row_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
   }
   const int64_t rows = x.size(0), k = x.size(1), panels = packed.size(0);
   at::Tensor y = at::empty({rows, out_features}, x.options());
+  if (blocks) {
+    few_row_linear_blocks(x.data_ptr<float>(), x.stride(0), rows, packed, bias_data, y.data_ptr<float>(), out_features);
+    return y;
+  }
   const float* x_data = x.data_ptr<float>();
   const float* p = packed.data_ptr<float>();
   float* y_data = y.data_ptr<float>();

@@ -41,6 +41,18 @@ void rotate_(at::Tensor heads, const at::Tensor& cos, const at::Tensor& signed_s
 // weight [N, K] packed for few_row_linear: [ceil(N / 32)][K][32], columns past N zero.
 at::Tensor pack_few_row_weight(const at::Tensor& weight);
 
-// x [rows <= 128 (0 too), K] @ weight.T (+ bias) from the packed weight: [rows, out_features].
+// weight [N, K] as exact 4-bit, else 8-bit blocks (few_row_blocks.cpp); undefined if neither
+// reproduces every weight to the bit, or K is not a multiple of 32.
+at::Tensor pack_few_row_blocks(const at::Tensor& weight);
+
+// Whether `packed` came from pack_few_row_blocks.
+bool is_block_packed(const at::Tensor& packed);
+
+// few_row_linear's arithmetic on block-packed weights: y [rows, out_features] (contiguous) from x
+// (rows x_stride apart) and the bias (padded to whole panels, or null).
+void few_row_linear_blocks(const float* x, int64_t x_stride, int64_t rows, const at::Tensor& packed,
+                           const float* bias, float* y, int64_t out_features);
+
+// x [rows <= 128 (0 too), K] @ weight.T (+ bias) from either packed form: [rows, out_features].
 at::Tensor few_row_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                           const c10::optional<at::Tensor>& bias);

@@ -34,5 +34,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU's silu(gate) * up, float32");
   m.def("rotate_", &rotate_, "rotary embedding in place, float32");
   m.def("pack_few_row_weight", &pack_few_row_weight, "a linear weight packed for few_row_linear");
+  m.def("pack_few_row_blocks", &pack_few_row_blocks, "a linear weight as exact 4- or 8-bit blocks, or None");
   m.def("few_row_linear", &few_row_linear, "x @ W.T (+ bias) for up to 128 rows, float32");
 }

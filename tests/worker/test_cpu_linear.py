@@ -6,9 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefixcache.kernels.native_cpu import native_cpu_kernels
+from prefixcache.kernels.native_cpu import NativeCpuKernels, native_cpu_kernels
 from prefixcache.services.worker.models.cpu_linear import (
     ALL_ROWS,
+    FEW_ROWS,
     FLOAT32_BLOCKED_ROWS,
     CpuLayout,
     CpuLinear,
@@ -78,15 +79,43 @@ def test_layout_depends_on_dtype_memory_and_the_native_kernels() -> None:
         assert choose_layout(torch.float32, 1 << 62, native) == CpuLayout(ALL_ROWS)
 
 
-@pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
-                    reason="the native few-row linear kernel needs AVX-512")
-def test_with_the_few_row_kernel_the_copies_are_packed_and_transposed() -> None:
+needs_avx512 = pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
+                                  reason="the native few-row linear kernel needs AVX-512")
+
+
+def _native() -> NativeCpuKernels:
     native = native_cpu_kernels()
     assert native is not None, "the native kernels did not build on a CPU that runs them (see the log)"
+    return native
+
+
+@needs_avx512
+def test_with_the_few_row_kernel_the_copies_are_packed_and_transposed() -> None:
     weight, _ = _weights(torch.float32, False)
-    layer = CpuLinear(weight, None, CpuLayout(None, native))
-    assert layer.weight_blocked is None and layer.weight_packed is not None
+    layer = CpuLinear(weight, None, CpuLayout(None, _native()))
+    assert layer.weight_blocked is None and layer.weight_packed.dtype == torch.float32  # no exact 4-bit form
     assert torch.equal(layer.weight_t, weight.t())
+
+
+@needs_avx512
+def test_weights_on_a_4bit_grid_stream_as_blocks_with_the_same_results() -> None:
+    """A weight whose 32-wide runs are each q * d + m (a dequantized GGUF Q4_1 tensor) is packed as
+    4-bit blocks; the layer's outputs keep the bits of the float32 panels."""
+    native = _native()
+    generator = torch.Generator().manual_seed(5)
+    scale = torch.rand(96, 2, 1, generator=generator).half().float() / 8
+    low = -torch.rand(96, 2, 1, generator=generator).half().float()
+    levels = torch.randint(0, 16, (96, 2, 32), generator=generator).float()
+    levels[..., 3], levels[..., 20] = 0, 15  # as GGUF's quantizer makes them: the least and the greatest
+    weight = torch.addcmul(low, levels, scale).reshape(96, 64)  # levels * scale is exact: one rounding
+    bias = torch.randn(96, generator=generator)
+    layer = CpuLinear(weight, bias, CpuLayout(None, native))
+    assert layer.weight_packed.dtype == torch.uint8 and "blocks" in repr(layer)
+    panels = native.pack_few_row_weight(weight)
+    for rows in ROW_COUNTS:
+        x = torch.randn(rows, 64, generator=generator)
+        expected = native.few_row_linear(x, panels, 96, bias) if rows <= FEW_ROWS else torch.addmm(bias, x, weight.t())
+        assert torch.equal(layer(x), expected), rows
 
 
 def test_swap_replaces_every_linear_and_keeps_the_function() -> None:
@@ -103,6 +132,11 @@ def test_loaded_cpu_model_serves_every_projection_from_cpu_layouts(smollm_runner
     model = smollm_runner.model
     assert not any(isinstance(module, nn.Linear) for module in model.modules())
     assert isinstance(model.lm_head, CpuLinear)  # SmolLM2 ties its head: it gets its own copy
+    if native_cpu_kernels() is not None:  # the GGUF's Q4_1 projections and Q8_0 head stream as blocks
+        linears = [module for module in model.modules() if isinstance(module, CpuLinear)]
+        assert len(linears) == 4 * model.config.num_layers + 1
+        assert all(linear.weight_packed.dtype == torch.uint8 for linear in linears)
+        assert model.lm_head.weight_packed.shape[2] == 1088 and linears[0].weight_packed.shape[2] == 640
     hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(model.compute_logits(hidden), F.linear(hidden, model.embed_tokens.weight),
                                rtol=1e-4, atol=1e-4)
