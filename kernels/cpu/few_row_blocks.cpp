@@ -119,19 +119,23 @@ struct FourBit {
     return true;
   }
 
-  __attribute__((target("avx512f"))) static void rebuild(const uint8_t* block, float* w) {
+  struct Scales {
+    __m512 d0, d1, m0, m1;
+  };
+
+  __attribute__((target("avx512f"))) static Scales scales(const uint8_t* block) {
     const auto* halves = reinterpret_cast<const __m256i*>(block);
-    const __m512 d0 = _mm512_cvtph_ps(_mm256_load_si256(halves)), d1 = _mm512_cvtph_ps(_mm256_load_si256(halves + 1));
-    const __m512 m0 = _mm512_cvtph_ps(_mm256_load_si256(halves + 2)), m1 = _mm512_cvtph_ps(_mm256_load_si256(halves + 3));
-    const uint8_t* q = block + 4 * kPanel;
-    const __m512i nibble = _mm512_set1_epi32(0xF);
-    for (int k = 0; k < kBlock; ++k) {
-      const __m512i pairs = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q + k * 16)));
-      const __m512 low = _mm512_cvtepi32_ps(_mm512_and_si512(pairs, nibble));
-      const __m512 high = _mm512_cvtepi32_ps(_mm512_srli_epi32(pairs, 4));
-      _mm512_store_ps(w + k * kPanel, _mm512_fmadd_ps(low, d0, m0));
-      _mm512_store_ps(w + k * kPanel + 16, _mm512_fmadd_ps(high, d1, m1));
-    }
+    return {_mm512_cvtph_ps(_mm256_load_si256(halves)), _mm512_cvtph_ps(_mm256_load_si256(halves + 1)),
+            _mm512_cvtph_ps(_mm256_load_si256(halves + 2)), _mm512_cvtph_ps(_mm256_load_si256(halves + 3))};
+  }
+
+  // The block's weights at k: columns 0-15 in w0, 16-31 in w1.
+  __attribute__((target("avx512f"))) static void weights(const uint8_t* block, const Scales& s, int k, __m512& w0,
+                                                         __m512& w1) {
+    const __m512i pairs =
+        _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(block + 4 * kPanel + k * 16)));
+    w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xF))), s.d0, s.m0);
+    w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(pairs, 4)), s.d1, s.m1);
   }
 };
 
@@ -147,18 +151,35 @@ struct EightBit {
     return true;
   }
 
-  __attribute__((target("avx512f"))) static void rebuild(const uint8_t* block, float* w) {
+  struct Scales {
+    __m512 d0, d1;
+  };
+
+  __attribute__((target("avx512f"))) static Scales scales(const uint8_t* block) {
     const auto* halves = reinterpret_cast<const __m256i*>(block);
-    const __m512 d0 = _mm512_cvtph_ps(_mm256_load_si256(halves)), d1 = _mm512_cvtph_ps(_mm256_load_si256(halves + 1));
-    const uint8_t* q = block + 2 * kPanel;
-    for (int k = 0; k < kBlock; ++k) {
-      const __m512i low = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q + k * kPanel)));
-      const __m512i high = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q + k * kPanel + 16)));
-      _mm512_store_ps(w + k * kPanel, _mm512_mul_ps(_mm512_cvtepi32_ps(low), d0));
-      _mm512_store_ps(w + k * kPanel + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(high), d1));
-    }
+    return {_mm512_cvtph_ps(_mm256_load_si256(halves)), _mm512_cvtph_ps(_mm256_load_si256(halves + 1))};
+  }
+
+  __attribute__((target("avx512f"))) static void weights(const uint8_t* block, const Scales& s, int k, __m512& w0,
+                                                         __m512& w1) {
+    const uint8_t* q = block + 2 * kPanel + k * kPanel;
+    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q)))), s.d0);
+    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q + 16)))),
+                       s.d1);
   }
 };
+
+// A panel block's 32 x 32 float32 weights, w[k][column], into an L1 buffer.
+template <class Format>
+__attribute__((target("avx512f"))) void rebuild(const uint8_t* block, float* w) {
+  const typename Format::Scales scales = Format::scales(block);
+  for (int k = 0; k < kBlock; ++k) {
+    __m512 w0, w1;
+    Format::weights(block, scales, k, w0, w1);
+    _mm512_store_ps(w + k * kPanel, w0);
+    _mm512_store_ps(w + k * kPanel + 16, w1);
+  }
+}
 
 // The weight [N, K] in `Format`'s blocks, or an undefined tensor if some block has no exact form.
 template <class Format>
@@ -210,6 +231,41 @@ using Accumulate = void (*)(const float*, int64_t, const float*, float*);
 constexpr Accumulate kAccumulate[kRowChunk] = {accumulate<1>, accumulate<2>, accumulate<3>, accumulate<4>,
                                                accumulate<5>, accumulate<6>, accumulate<7>, accumulate<8>};
 
+// Up to 8 rows: the weights are rebuilt in registers and go straight into the accumulators.
+template <class Format, int kRows>
+__attribute__((target("avx512f"))) void panel_few_rows(const float* x, int64_t x_stride, const uint8_t* panel,
+                                                       int64_t blocks, const float* bias, float* y, int64_t y_stride,
+                                                       int64_t columns) {
+  __m512 sum[kRows][2];
+  for (int r = 0; r < kRows; ++r) {
+    sum[r][0] = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    sum[r][1] = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = panel + b * Format::kBytes;
+    for (int64_t line = 0; line < Format::kBytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(block + 2 * Format::kBytes + line), _MM_HINT_T0);
+    const typename Format::Scales scales = Format::scales(block);
+    const float* xb = x + b * kBlock;
+    for (int k = 0; k < kBlock; ++k) {
+      __m512 w0, w1;
+      Format::weights(block, scales, k, w0, w1);
+#pragma GCC unroll 8
+      for (int r = 0; r < kRows; ++r) {
+        const __m512 xr = _mm512_set1_ps(xb[r * x_stride + k]);
+        sum[r][0] = _mm512_fmadd_ps(xr, w0, sum[r][0]);
+        sum[r][1] = _mm512_fmadd_ps(xr, w1, sum[r][1]);
+      }
+    }
+  }
+  const __mmask16 low = columns >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << columns) - 1);
+  const __mmask16 high = columns >= 32 ? 0xFFFF : columns <= 16 ? 0 : static_cast<__mmask16>((1u << (columns - 16)) - 1);
+  for (int r = 0; r < kRows; ++r) {
+    _mm512_mask_storeu_ps(y + r * y_stride, low, sum[r][0]);
+    _mm512_mask_storeu_ps(y + r * y_stride + 16, high, sum[r][1]);
+  }
+}
+
 template <class Format>
 __attribute__((target("avx512f"))) void panel_rows(const float* x, int64_t x_stride, int64_t rows, const uint8_t* panel,
                                                    int64_t blocks, const float* bias, float* y, int64_t y_stride,
@@ -222,7 +278,7 @@ __attribute__((target("avx512f"))) void panel_rows(const float* x, int64_t x_str
     const uint8_t* block = panel + b * Format::kBytes;
     for (int64_t line = 0; line < Format::kBytes; line += 64)
       _mm_prefetch(reinterpret_cast<const char*>(block + 2 * Format::kBytes + line), _MM_HINT_T0);
-    Format::rebuild(block, w);
+    rebuild<Format>(block, w);
     for (int64_t row = 0; row < rows; row += kRowChunk) {
       const int chunk = static_cast<int>(std::min<int64_t>(kRowChunk, rows - row));
       kAccumulate[chunk - 1](x + row * x_stride + b * kBlock, x_stride, w, acc + row * kPanel);
@@ -256,12 +312,27 @@ void few_row_linear_blocks(const float* x, int64_t x_stride, int64_t rows, const
   TORCH_CHECK(rows <= kMaxRows, "x: at most ", kMaxRows, " rows");
   const int64_t panels = packed.size(0), blocks = packed.size(1), bytes = packed.size(2);
   const uint8_t* p = packed.data_ptr<uint8_t>();
-  const auto run = bytes == FourBit::kBytes ? panel_rows<FourBit> : panel_rows<EightBit>;
+  const bool four_bit = bytes == FourBit::kBytes;
+  using FewRows = void (*)(const float*, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t, int64_t);
+  constexpr FewRows kFourBit[kRowChunk] = {panel_few_rows<FourBit, 1>, panel_few_rows<FourBit, 2>,
+                                           panel_few_rows<FourBit, 3>, panel_few_rows<FourBit, 4>,
+                                           panel_few_rows<FourBit, 5>, panel_few_rows<FourBit, 6>,
+                                           panel_few_rows<FourBit, 7>, panel_few_rows<FourBit, 8>};
+  constexpr FewRows kEightBit[kRowChunk] = {panel_few_rows<EightBit, 1>, panel_few_rows<EightBit, 2>,
+                                            panel_few_rows<EightBit, 3>, panel_few_rows<EightBit, 4>,
+                                            panel_few_rows<EightBit, 5>, panel_few_rows<EightBit, 6>,
+                                            panel_few_rows<EightBit, 7>, panel_few_rows<EightBit, 8>};
+  const auto run = four_bit ? panel_rows<FourBit> : panel_rows<EightBit>;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t panel = begin; panel < end; ++panel) {
       const int64_t first_column = panel * kPanel;
-      run(x, x_stride, rows, p + panel * blocks * bytes, blocks, bias ? bias + first_column : nullptr,
-          y + first_column, out_features, std::min<int64_t>(kPanel, out_features - first_column));
+      const float* panel_bias = bias ? bias + first_column : nullptr;
+      const int64_t columns = std::min<int64_t>(kPanel, out_features - first_column);
+      if (rows >= 1 && rows <= kRowChunk)
+        (four_bit ? kFourBit : kEightBit)[rows - 1](x, x_stride, p + panel * blocks * bytes, blocks, panel_bias,
+                                                    y + first_column, out_features, columns);
+      else
+        run(x, x_stride, rows, p + panel * blocks * bytes, blocks, panel_bias, y + first_column, out_features, columns);
     }
   });
 }
