@@ -231,38 +231,52 @@ using Accumulate = void (*)(const float*, int64_t, const float*, float*);
 constexpr Accumulate kAccumulate[kRowChunk] = {accumulate<1>, accumulate<2>, accumulate<3>, accumulate<4>,
                                                accumulate<5>, accumulate<6>, accumulate<7>, accumulate<8>};
 
-// Up to 8 rows: the weights are rebuilt in registers and go straight into the accumulators.
-template <class Format, int kRows>
-__attribute__((target("avx512f"))) void panel_few_rows(const float* x, int64_t x_stride, const uint8_t* panel,
-                                                       int64_t blocks, const float* bias, float* y, int64_t y_stride,
-                                                       int64_t columns) {
-  __m512 sum[kRows][2];
-  for (int r = 0; r < kRows; ++r) {
-    sum[r][0] = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-    sum[r][1] = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
-  }
+// Up to 8 rows of kPanels neighbouring panels: the weights are rebuilt in registers and go straight
+// into the sums. A single row takes two panels at a time: with one, its two sums' chains of
+// dependent multiply-adds, not the arithmetic, would set the pace.
+template <class Format, int kRows, int kPanels>
+__attribute__((target("avx512f"))) void panels_few_rows(const float* x, int64_t x_stride, const uint8_t* panel,
+                                                        int64_t blocks, const float* bias, float* y, int64_t y_stride,
+                                                        int64_t columns_left) {
+  __m512 sum[kPanels][kRows][2];
+  for (int p = 0; p < kPanels; ++p)
+    for (int r = 0; r < kRows; ++r) {
+      sum[p][r][0] = bias ? _mm512_loadu_ps(bias + p * kPanel) : _mm512_setzero_ps();
+      sum[p][r][1] = bias ? _mm512_loadu_ps(bias + p * kPanel + 16) : _mm512_setzero_ps();
+    }
+  const int64_t panel_bytes = blocks * Format::kBytes;
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = panel + b * Format::kBytes;
-    for (int64_t line = 0; line < Format::kBytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(block + 2 * Format::kBytes + line), _MM_HINT_T0);
-    const typename Format::Scales scales = Format::scales(block);
     const float* xb = x + b * kBlock;
+    typename Format::Scales scales[kPanels];
+    for (int p = 0; p < kPanels; ++p) {
+      const uint8_t* block = panel + p * panel_bytes + b * Format::kBytes;
+      for (int64_t line = 0; line < Format::kBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(block + 2 * Format::kBytes + line), _MM_HINT_T0);
+      scales[p] = Format::scales(block);
+    }
     for (int k = 0; k < kBlock; ++k) {
-      __m512 w0, w1;
-      Format::weights(block, scales, k, w0, w1);
+#pragma GCC unroll 2
+      for (int p = 0; p < kPanels; ++p) {
+        __m512 w0, w1;
+        Format::weights(panel + p * panel_bytes + b * Format::kBytes, scales[p], k, w0, w1);
 #pragma GCC unroll 8
-      for (int r = 0; r < kRows; ++r) {
-        const __m512 xr = _mm512_set1_ps(xb[r * x_stride + k]);
-        sum[r][0] = _mm512_fmadd_ps(xr, w0, sum[r][0]);
-        sum[r][1] = _mm512_fmadd_ps(xr, w1, sum[r][1]);
+        for (int r = 0; r < kRows; ++r) {
+          const __m512 xr = _mm512_set1_ps(xb[r * x_stride + k]);
+          sum[p][r][0] = _mm512_fmadd_ps(xr, w0, sum[p][r][0]);
+          sum[p][r][1] = _mm512_fmadd_ps(xr, w1, sum[p][r][1]);
+        }
       }
     }
   }
-  const __mmask16 low = columns >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << columns) - 1);
-  const __mmask16 high = columns >= 32 ? 0xFFFF : columns <= 16 ? 0 : static_cast<__mmask16>((1u << (columns - 16)) - 1);
-  for (int r = 0; r < kRows; ++r) {
-    _mm512_mask_storeu_ps(y + r * y_stride, low, sum[r][0]);
-    _mm512_mask_storeu_ps(y + r * y_stride + 16, high, sum[r][1]);
+  for (int p = 0; p < kPanels; ++p) {
+    const int64_t columns = std::min<int64_t>(kPanel, columns_left - p * kPanel);
+    const __mmask16 low = columns >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << columns) - 1);
+    const __mmask16 high =
+        columns >= 32 ? 0xFFFF : columns <= 16 ? 0 : static_cast<__mmask16>((1u << (columns - 16)) - 1);
+    for (int r = 0; r < kRows; ++r) {
+      _mm512_mask_storeu_ps(y + p * kPanel + r * y_stride, low, sum[p][r][0]);
+      _mm512_mask_storeu_ps(y + p * kPanel + r * y_stride + 16, high, sum[p][r][1]);
+    }
   }
 }
 
@@ -314,25 +328,29 @@ void few_row_linear_blocks(const float* x, int64_t x_stride, int64_t rows, const
   const uint8_t* p = packed.data_ptr<uint8_t>();
   const bool four_bit = bytes == FourBit::kBytes;
   using FewRows = void (*)(const float*, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t, int64_t);
-  constexpr FewRows kFourBit[kRowChunk] = {panel_few_rows<FourBit, 1>, panel_few_rows<FourBit, 2>,
-                                           panel_few_rows<FourBit, 3>, panel_few_rows<FourBit, 4>,
-                                           panel_few_rows<FourBit, 5>, panel_few_rows<FourBit, 6>,
-                                           panel_few_rows<FourBit, 7>, panel_few_rows<FourBit, 8>};
-  constexpr FewRows kEightBit[kRowChunk] = {panel_few_rows<EightBit, 1>, panel_few_rows<EightBit, 2>,
-                                            panel_few_rows<EightBit, 3>, panel_few_rows<EightBit, 4>,
-                                            panel_few_rows<EightBit, 5>, panel_few_rows<EightBit, 6>,
-                                            panel_few_rows<EightBit, 7>, panel_few_rows<EightBit, 8>};
-  const auto run = four_bit ? panel_rows<FourBit> : panel_rows<EightBit>;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t panel = begin; panel < end; ++panel) {
-      const int64_t first_column = panel * kPanel;
+  constexpr FewRows kFourBit[kRowChunk] = {panels_few_rows<FourBit, 1, 1>, panels_few_rows<FourBit, 2, 1>,
+                                           panels_few_rows<FourBit, 3, 1>, panels_few_rows<FourBit, 4, 1>,
+                                           panels_few_rows<FourBit, 5, 1>, panels_few_rows<FourBit, 6, 1>,
+                                           panels_few_rows<FourBit, 7, 1>, panels_few_rows<FourBit, 8, 1>};
+  constexpr FewRows kEightBit[kRowChunk] = {panels_few_rows<EightBit, 1, 1>, panels_few_rows<EightBit, 2, 1>,
+                                            panels_few_rows<EightBit, 3, 1>, panels_few_rows<EightBit, 4, 1>,
+                                            panels_few_rows<EightBit, 5, 1>, panels_few_rows<EightBit, 6, 1>,
+                                            panels_few_rows<EightBit, 7, 1>, panels_few_rows<EightBit, 8, 1>};
+  const FewRows one_row_pair = four_bit ? panels_few_rows<FourBit, 1, 2> : panels_few_rows<EightBit, 1, 2>;
+  const auto many_rows = four_bit ? panel_rows<FourBit> : panel_rows<EightBit>;
+  const int64_t group = rows == 1 ? 2 : 1;  // panels per work item
+  at::parallel_for(0, (panels + group - 1) / group, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t first_panel = item * group, first_column = first_panel * kPanel;
+      const uint8_t* panel = p + first_panel * blocks * bytes;
       const float* panel_bias = bias ? bias + first_column : nullptr;
-      const int64_t columns = std::min<int64_t>(kPanel, out_features - first_column);
-      if (rows >= 1 && rows <= kRowChunk)
-        (four_bit ? kFourBit : kEightBit)[rows - 1](x, x_stride, p + panel * blocks * bytes, blocks, panel_bias,
-                                                    y + first_column, out_features, columns);
-      else
-        run(x, x_stride, rows, p + panel * blocks * bytes, blocks, panel_bias, y + first_column, out_features, columns);
+      const int64_t columns_left = out_features - first_column;
+      if (rows > kRowChunk)
+        many_rows(x, x_stride, rows, panel, blocks, panel_bias, y + first_column, out_features,
+                  std::min<int64_t>(kPanel, columns_left));
+      else if (rows >= 1)
+        (group == 2 && first_panel + 1 < panels ? one_row_pair : (four_bit ? kFourBit : kEightBit)[rows - 1])(
+            x, x_stride, panel, blocks, panel_bias, y + first_column, out_features, columns_left);
     }
   });
 }
