@@ -38,9 +38,9 @@ the projections alone, 160 rows, 146 / 155-166. So no blocked copy is made there
 Where every weight of a matrix is exactly a GGUF Q4_1 or Q8_0 block's d * q (+ m) (the embedded
 model's, dequantized), the few-row copy holds those 4- or 8-bit blocks instead of float32 panels
 (`kernels/cpu/few_row_blocks.cpp`): the same bits out, a fifth (a quarter) of the bytes to stream. On
-the Intel Xeon VM (2026-12-05, later), all projections of the 30 layers, weights not in cache, ms (float32
-panels / blocks): 1 row 19.4 / 6.3, 8 rows 23.5 / 9.2, 64 rows 65.1 / 53.4, 128 rows 113 / 114; the
-tied logits head, 8 rows, 5.7 / 2.5.
+the Intel Xeon VM (2026-12-05, later), all projections of the 30 layers, weights not in cache, ms
+(float32 panels / blocks, `benchmarks/few_row_linear.py`): 1 row 17.9 / 4.5, 8 rows 24.9 / 8.2, 64
+rows 69.1 / 55.7, 128 rows 120 / 118; the tied logits head, 8 rows, 6.0 / 2.1.
 The choice is fixed, not timed at start-up: the layouts' float32 results differ by up to 1e-4,
 and workers of one deployment must agree on greedy tokens.
 """
