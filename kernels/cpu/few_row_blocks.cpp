@@ -14,10 +14,13 @@
 //
 // Layout: [ceil(N / 32) panels][K / 32 blocks][block bytes]; a panel's block holds its 32 columns' d
 // (and m) as half floats, then for each of its 32 k its 32 columns' q: 16 bytes of 4-bit pairs (low
-// nibble column j, high nibble column j + 16) or 32 signed bytes. The kernel rebuilds one panel block
-// (32 k x 32 columns) into an L1 buffer, multiplies it into every row, and sums each output over k in
-// order from the bias, exactly as the float32 panels do: the two give the same bits.
+// nibble column j, high nibble column j + 16) or 32 signed bytes. Up to 8 rows, the kernel rebuilds
+// each k's 32 weights in registers and multiplies them straight into the rows' sums; more rows, it
+// rebuilds a panel block (32 k x 32 columns) into an L1 buffer once and runs every row over it.
+// Either way each output is summed over k in order from the bias, exactly as the float32 panels are:
+// the two give the same bits.
 #include "kernels.h"
+#include "panel_layout.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -31,10 +34,10 @@
 
 namespace {
 
-constexpr int kPanel = 32;     // output columns per panel
-constexpr int kBlock = 32;     // k per block (GGUF's Q4_1 and Q8_0 block size)
-constexpr int kRowChunk = 8;   // rows in registers at a time
-constexpr int kMaxRows = 128;  // as few_row_linear
+using panel_layout::kMaxRows;
+using panel_layout::kRowChunk;
+constexpr int kPanel = panel_layout::kWidth;
+constexpr int kBlock = 32;  // k per block (GGUF's Q4_1 and Q8_0 block size)
 
 uint32_t bits(float value) {
   uint32_t out;
@@ -163,9 +166,10 @@ struct EightBit {
   __attribute__((target("avx512f"))) static void weights(const uint8_t* block, const Scales& s, int k, __m512& w0,
                                                          __m512& w1) {
     const uint8_t* q = block + 2 * kPanel + k * kPanel;
-    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q)))), s.d0);
-    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q + 16)))),
-                       s.d1);
+    const __m128i low = _mm_load_si128(reinterpret_cast<const __m128i*>(q));
+    const __m128i high = _mm_load_si128(reinterpret_cast<const __m128i*>(q + 16));
+    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(low)), s.d0);
+    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(high)), s.d1);
   }
 };
 
@@ -196,7 +200,8 @@ at::Tensor pack(const at::Tensor& weight) {
     for (int64_t panel = begin; panel < end && exact; ++panel)
       for (int64_t b = 0; b < blocks && exact; ++b)
         for (int c = 0; c < std::min<int64_t>(kPanel, n - panel * kPanel); ++c)
-          if (!Format::pack_column(w + (panel * kPanel + c) * k + b * kBlock, c, p + (panel * blocks + b) * Format::kBytes)) {
+          if (!Format::pack_column(w + (panel * kPanel + c) * k + b * kBlock, c,
+                                   p + (panel * blocks + b) * Format::kBytes)) {
             exact = false;
             break;
           }
@@ -270,13 +275,8 @@ __attribute__((target("avx512f"))) void panels_few_rows(const float* x, int64_t 
   }
   for (int p = 0; p < kPanels; ++p) {
     const int64_t columns = std::min<int64_t>(kPanel, columns_left - p * kPanel);
-    const __mmask16 low = columns >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << columns) - 1);
-    const __mmask16 high =
-        columns >= 32 ? 0xFFFF : columns <= 16 ? 0 : static_cast<__mmask16>((1u << (columns - 16)) - 1);
-    for (int r = 0; r < kRows; ++r) {
-      _mm512_mask_storeu_ps(y + p * kPanel + r * y_stride, low, sum[p][r][0]);
-      _mm512_mask_storeu_ps(y + p * kPanel + r * y_stride + 16, high, sum[p][r][1]);
-    }
+    for (int r = 0; r < kRows; ++r)
+      panel_layout::store_row(y + p * kPanel + r * y_stride, sum[p][r][0], sum[p][r][1], columns);
   }
 }
 
@@ -298,12 +298,9 @@ __attribute__((target("avx512f"))) void panel_rows(const float* x, int64_t x_str
       kAccumulate[chunk - 1](x + row * x_stride + b * kBlock, x_stride, w, acc + row * kPanel);
     }
   }
-  const __mmask16 low = columns >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << columns) - 1);
-  const __mmask16 high = columns >= 32 ? 0xFFFF : columns <= 16 ? 0 : static_cast<__mmask16>((1u << (columns - 16)) - 1);
-  for (int64_t r = 0; r < rows; ++r) {
-    _mm512_mask_storeu_ps(y + r * y_stride, low, _mm512_load_ps(acc + r * kPanel));
-    _mm512_mask_storeu_ps(y + r * y_stride + 16, high, _mm512_load_ps(acc + r * kPanel + 16));
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    panel_layout::store_row(y + r * y_stride, _mm512_load_ps(acc + r * kPanel), _mm512_load_ps(acc + r * kPanel + 16),
+                            columns);
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 // rows take another pass over the panel, which is then in cache). Each output is summed over k in
 // order, so a row's result does not depend on the other rows.
 #include "kernels.h"
+#include "panel_layout.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -22,9 +23,9 @@
 
 namespace {
 
-constexpr int kPanel = 32;      // output columns per panel: two vectors
-constexpr int kRowChunk = 8;    // rows kept in registers: 8 x 2 accumulators
-constexpr int kMaxRows = 128;   // what the kernel takes (callers use a GEMM beyond)
+using panel_layout::kMaxRows;
+using panel_layout::kRowChunk;
+constexpr int kPanel = panel_layout::kWidth;
 constexpr int kPrefetchAhead = 16;  // k steps (128 bytes each)
 
 template <int kRows>
@@ -48,12 +49,7 @@ __attribute__((target("avx512f"))) void panel_rows(const float* x, int64_t x_str
       acc[r][1] = _mm512_fmadd_ps(xr, w1, acc[r][1]);
     }
   }
-  const __mmask16 low = columns >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << columns) - 1);
-  const __mmask16 high = columns >= 32 ? 0xFFFF : columns <= 16 ? 0 : static_cast<__mmask16>((1u << (columns - 16)) - 1);
-  for (int r = 0; r < kRows; ++r) {
-    _mm512_mask_storeu_ps(y + r * y_stride, low, acc[r][0]);
-    _mm512_mask_storeu_ps(y + r * y_stride + 16, high, acc[r][1]);
-  }
+  for (int r = 0; r < kRows; ++r) panel_layout::store_row(y + r * y_stride, acc[r][0], acc[r][1], columns);
 }
 
 using PanelRows = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t);
