@@ -266,8 +266,6 @@ def _scheduler_args(owner: Owner, spec: PrefixCacheSpec) -> list[str]:
             "--grace", str(scheduler_grace_seconds(spec))]
     if not spec.enable_prefix_caching:
         args.append("--no-prefix-caching")
-    if spec.worker.gpus > 0:  # the CPU is idle while a GPU runs a step: send the next one meanwhile
-        args.append("--schedule-ahead")
     return args
 
 

@@ -284,15 +284,16 @@ def test_a_request_id_already_in_flight_is_refused(target: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def ahead_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPlatform]:
-    platform = start_platform(tmp_path_factory.mktemp("ahead-logs"), ["--schedule-ahead"])
+def one_step_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPlatform]:
+    platform = start_platform(tmp_path_factory.mktemp("one-step-logs"), ["--no-schedule-ahead"])
     yield platform
     stop_platform(platform)
 
 
-def test_scheduling_ahead_changes_no_token(platform: LocalPlatform, ahead_platform: LocalPlatform) -> None:
+def test_scheduling_ahead_changes_no_token(platform: LocalPlatform, one_step_platform: LocalPlatform) -> None:
     """Eight concurrent greedy requests, half of them free to stop at EOS, on the real worker: the
-    tokens, their count and the finish reasons are the same when decode steps are sent ahead."""
+    tokens, their count and the finish reasons are the same when decode steps are sent ahead (the
+    default) as one step at a time."""
     prefix = shared_prefix(200, "the harbour")
 
     def requests() -> list[pb.GenerateRequest]:
@@ -304,11 +305,11 @@ def test_scheduling_ahead_changes_no_token(platform: LocalPlatform, ahead_platfo
             completions = await asyncio.gather(*(engine.complete(r, timeout_s=300) for r in requests()))
         return {c.request_id: c for c in completions}
 
-    before = scrape_metrics(ahead_platform)["prefixcache_steps_scheduled_ahead_total"]
-    one_at_a_time = run(complete_all(platform.engine_address))
-    ahead = run(complete_all(ahead_platform.engine_address))
+    before = scrape_metrics(platform)["prefixcache_steps_scheduled_ahead_total"]
+    one_at_a_time = run(complete_all(one_step_platform.engine_address))
+    ahead = run(complete_all(platform.engine_address))
     for request_id, completion in one_at_a_time.items():
         assert (ahead[request_id].token_ids, ahead[request_id].finish_reason) == (
             completion.token_ids, completion.finish_reason), request_id
-    assert scrape_metrics(ahead_platform)["prefixcache_steps_scheduled_ahead_total"] > before + 5
-    assert scrape_metrics(platform)["prefixcache_steps_scheduled_ahead_total"] == 0
+    assert scrape_metrics(platform)["prefixcache_steps_scheduled_ahead_total"] > before + 5
+    assert scrape_metrics(one_step_platform)["prefixcache_steps_scheduled_ahead_total"] == 0

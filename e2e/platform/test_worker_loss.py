@@ -18,7 +18,7 @@ from prefixcache.services.common.engine_client import Completion, EngineClient, 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", params=[[], ["--schedule-ahead"]], ids=["one-step-at-a-time", "scheduling-ahead"])
+@pytest.fixture(scope="module", params=[["--no-schedule-ahead"], []], ids=["one-step-at-a-time", "scheduling-ahead"])
 def platform(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPlatform]:
     platform = start_platform(tmp_path_factory.mktemp("worker-loss-logs"), request.param)
     yield platform
@@ -62,7 +62,7 @@ def test_worker_killed_mid_stream_then_restarted(platform: LocalPlatform, target
             # The worker's address stays in the scheduler's log; the client learns what happened.
             assert "worker was lost" in error.value.details()
             assert platform.worker.address not in error.value.details()
-            if "--schedule-ahead" in platform.config.scheduler_args:  # the loss found steps sent ahead
+            if "--no-schedule-ahead" not in platform.config.scheduler_args:  # the loss found steps sent ahead
                 assert scrape_metrics(platform)["prefixcache_steps_scheduled_ahead_total"] > 0
 
             platform.restart_worker()

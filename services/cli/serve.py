@@ -66,8 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-waiting", type=int, help="waiting requests at most (default: the scheduler's)")
     parser.add_argument("--max-model-len", type=int, help="prompt + output at most (default: the scheduler's)")
-    parser.add_argument("--schedule-ahead", action=argparse.BooleanOptionalAction,
-                        help="send a decode step while the one before it runs (default: on unless --device is cpu)")
+    parser.add_argument("--schedule-ahead", action=argparse.BooleanOptionalAction, default=True,
+                        help="send a decode step while the one before it runs (default: on)")
     parser.add_argument("--metrics-port", type=bounded_int(1, 65535), help="serve the scheduler's Prometheus metrics on this port")
     parser.add_argument("--log-dir", type=Path, help="where the services write their logs")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for all services")
@@ -82,8 +82,8 @@ def platform_config(args: argparse.Namespace, model_dir: Path) -> PlatformConfig
     ]  # fmt: skip
     if args.no_prefix_caching:
         scheduler_args.append("--no-prefix-caching")
-    if args.schedule_ahead if args.schedule_ahead is not None else args.device != "cpu":
-        scheduler_args.append("--schedule-ahead")
+    if not args.schedule_ahead:
+        scheduler_args.append("--no-schedule-ahead")
     for flag, value in (("--max-waiting", args.max_waiting), ("--max-model-len", args.max_model_len),
                         ("--metrics-port", args.metrics_port)):
         if value is not None:

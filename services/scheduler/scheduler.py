@@ -62,10 +62,10 @@ class SchedulerConfig:
     max_waiting: int = 256  # waiting requests at most; beyond, new requests are refused
     max_model_len: int = 8192
     # Send a decode step before the one running returns (see `can_schedule_ahead`): the worker then
-    # starts it as soon as it is free instead of waiting a round trip for it. That pays where the
-    # step runs on an accelerator and the CPU is idle meanwhile; where the worker's CPU threads run
-    # the step, the overlapped work competes with them for the cores (neutral on the 2-core dev box).
-    schedule_ahead: bool = False
+    # starts it as soon as it is free instead of waiting a round trip and a scheduling pass for it.
+    # It pays most where an accelerator runs the step and the CPU is idle meanwhile; on the 2-core
+    # dev box it pays at low concurrency, where steps are short (docs/services.md).
+    schedule_ahead: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "max_model_len"):

@@ -48,8 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-waiting", type=int, default=defaults.max_waiting, help="waiting requests at most")
     parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len, help="prompt + output at most")
-    parser.add_argument("--schedule-ahead", action="store_true",
-                        help="send a decode step while the one before it runs (for workers on an accelerator)")
+    parser.add_argument("--schedule-ahead", action=argparse.BooleanOptionalAction, default=defaults.schedule_ahead,
+                        help="send a decode step while the one before it runs (default: on)")
     parser.add_argument("--metrics-port", type=listen_port, default=None, help="serve Prometheus metrics on this port")
     parser.add_argument("--grace", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM")
     parser.add_argument("--log-level", default="INFO")

@@ -94,7 +94,7 @@ def test_spec_becomes_exact_command_lines() -> None:
     assert engine["scheduler"]["args"] == [
         "scheduler", "--port", "50051", "--tokenizer", "chat-tokenizer.serving.svc:50053",
         "--worker", "127.0.0.1:50052", "--block-size", "32", "--hash-algo", "xxhash", "--max-num-seqs", "64",
-        "--metrics-port", "9090", "--grace", "105", "--no-prefix-caching", "--schedule-ahead"]
+        "--metrics-port", "9090", "--grace", "105", "--no-prefix-caching"]
     assert engine["worker"]["args"] == [
         "worker", "--port", "50052", "--grace", "10", "--model-dir", "/models/hf/SmolLM2-135M-Instruct",
         "--kv-cache-memory", str(6 * 2**30), "--device", "cuda", "--dtype", "bfloat16",
@@ -126,9 +126,8 @@ def test_worker_gets_gpus_and_resources() -> None:
     assert engine["scheduler"]["resources"] == {"requests": {"cpu": "500m"}}
     cpu_only = containers(by_name(render(OWNER, parse_spec({"worker": {"gpus": 0}})))["Deployment", "chat-engine"])
     assert "resources" not in cpu_only["worker"] and "--device" not in cpu_only["worker"]["args"]
-    # Scheduling ahead pays where a GPU runs the steps; on the CPU the scheduler waits for each.
-    assert "--schedule-ahead" in engine["scheduler"]["args"]
-    assert "--schedule-ahead" not in cpu_only["scheduler"]["args"]
+    # Scheduling ahead is the scheduler's default, on a GPU or not.
+    assert not any("schedule-ahead" in arg for arg in [*engine["scheduler"]["args"], *cpu_only["scheduler"]["args"]])
 
 
 def test_each_component_is_placed_where_its_spec_says() -> None:

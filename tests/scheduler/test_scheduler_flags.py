@@ -53,12 +53,12 @@ def test_serve_passes_queue_length_and_worker_options_on_to_the_services_that_re
     assert worker_parser.parse_args(defaults.worker_args).attention_backend is None
 
 
-def test_scheduling_ahead_is_off_on_the_cpu_and_on_with_an_accelerator_unless_set() -> None:
-    assert not scheduler_config().schedule_ahead
-    assert scheduler_config("--schedule-ahead").schedule_ahead
+def test_scheduling_ahead_is_on_unless_turned_off() -> None:
+    assert scheduler_config().schedule_ahead
+    assert not scheduler_config("--no-schedule-ahead").schedule_ahead
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
-    for flags, expected in (([], False), (["--device", "cuda"], True), (["--schedule-ahead"], True),
-                            (["--device", "cuda", "--no-schedule-ahead"], False)):
+    for flags, expected in (([], True), (["--device", "cuda"], True), (["--schedule-ahead"], True),
+                            (["--no-schedule-ahead"], False), (["--device", "cuda", "--no-schedule-ahead"], False)):
         config = serve.platform_config(parser.parse_args(flags), Path("/models/m"))
         assert scheduler_config(*config.scheduler_args).schedule_ahead is expected, flags
