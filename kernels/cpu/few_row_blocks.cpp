@@ -37,7 +37,7 @@ namespace {
 using panel_layout::kMaxRows;
 using panel_layout::kRowChunk;
 constexpr int kPanel = panel_layout::kWidth;
-constexpr int kBlock = 32;  // k per block (GGUF's Q4_1 and Q8_0 block size)
+constexpr int kBlock = panel_layout::kBlockK;
 
 uint32_t bits(float value) {
   uint32_t out;
@@ -320,7 +320,6 @@ bool is_block_packed(const at::Tensor& packed) {
 
 void few_row_linear_blocks(const float* x, int64_t x_stride, int64_t rows, const at::Tensor& packed,
                            const float* bias, float* y, int64_t out_features) {
-  TORCH_CHECK(rows <= kMaxRows, "x: at most ", kMaxRows, " rows");
   const int64_t panels = packed.size(0), blocks = packed.size(1), bytes = packed.size(2);
   const uint8_t* p = packed.data_ptr<uint8_t>();
   const bool four_bit = bytes == FourBit::kBytes;

@@ -84,7 +84,7 @@ at::Tensor few_row_linear(const at::Tensor& x, const at::Tensor& packed, int64_t
               "x: float32 [rows, in_features] on the CPU, rows contiguous");
   TORCH_CHECK(x.size(0) <= kMaxRows, "x: at most ", kMaxRows, " rows");
   const bool blocks = is_block_packed(packed);
-  const int64_t packed_k = blocks ? packed.size(1) * 32 : packed.size(1);
+  const int64_t packed_k = blocks ? packed.size(1) * panel_layout::kBlockK : packed.size(1);
   TORCH_CHECK((blocks || (packed.dtype() == at::kFloat && packed.dim() == 3 && packed.size(2) == kPanel)) &&
                   packed.is_contiguous() && packed_k == x.size(1) &&
                   packed.size(0) == (out_features + kPanel - 1) / kPanel,

@@ -11,6 +11,7 @@ namespace panel_layout {
 constexpr int kWidth = 32;      // output columns per panel: two vectors
 constexpr int kRowChunk = 8;    // rows kept in registers: 8 x 2 sums
 constexpr int kMaxRows = 128;   // what the kernels take (callers use a GEMM beyond)
+constexpr int kBlockK = 32;     // k per block in the 4-/8-bit form (GGUF's Q4_1 and Q8_0 block size)
 
 // Stores a row's sums for a panel's first `columns` columns (the last panel of a weight may be partial).
 __attribute__((target("avx512f"))) inline void store_row(float* y, __m512 first, __m512 second, int64_t columns) {

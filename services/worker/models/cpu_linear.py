@@ -131,7 +131,7 @@ class CpuLinear(nn.Module):
 
     def _pack_few_rows(self, weight: torch.Tensor) -> torch.Tensor:
         """Exact 4- or 8-bit blocks where they reproduce every weight (a GGUF's Q4_1 or Q8_0 tensors,
-        dequantized), else float32 panels: the same bits either way, a fifth of the bytes to stream."""
+        dequantized), else float32 panels: the same bits either way, a fifth or a quarter of the bytes."""
         blocks = self.few_rows.pack_few_row_blocks(weight)
         return blocks if blocks is not None else self.few_rows.pack_few_row_weight(weight)
 
