@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 from safetensors.torch import load_file
 
+from attention_cases import print_table
 from prefixcache.kernels.native_cpu import native_cpu_kernels
 from prefixcache.services.common.model_store import ensure_default_model
 
@@ -50,51 +51,39 @@ def main() -> int:
         print("the native CPU kernels do not run here (see the log)")
         return 1
     checkpoint = load_file(ensure_default_model() / "model.safetensors")
-    projections = layer_weights(checkpoint, layers=30)
-    head = checkpoint["model.embed_tokens.weight"]
-    panels = [kernels.pack_few_row_weight(weight) for weight in projections]
-    blocks = [kernels.pack_few_row_blocks(weight) for weight in projections]
-    head_panels, head_blocks = kernels.pack_few_row_weight(head), kernels.pack_few_row_blocks(head)
-    if any(packed is None for packed in [*blocks, head_blocks]):
+    groups = {"projections": layer_weights(checkpoint, layers=30), "head": [checkpoint["model.embed_tokens.weight"]]}
+    forms = {"f32": kernels.pack_few_row_weight, "blocks": kernels.pack_few_row_blocks}
+    packed = {(group, form): [pack(weight) for weight in weights]
+              for group, weights in groups.items() for form, pack in forms.items()}
+    if any(weight is None for group in groups for weight in packed[group, "blocks"]):
         print("some weights of the embedded model have no exact block form: nothing to compare")
         return 1
-    print(f"packed bytes: float32 panels {sum(p.nbytes for p in [*panels, head_panels]) / 1e6:.0f} MB, "
-          f"blocks {sum(p.nbytes for p in [*blocks, head_blocks]) / 1e6:.0f} MB")
+    for form in forms:
+        print(f"packed bytes, {form}: {sum(p.nbytes for group in groups for p in packed[group, form]) / 1e6:.0f} MB")
 
-    def projections_pass(packs: list[torch.Tensor], inputs: list[torch.Tensor]) -> Callable[[], None]:
-        def run() -> None:
-            for x, packed, weight in zip(inputs, packs, projections, strict=True):
-                kernels.few_row_linear(x, packed, weight.shape[0], None)
-        return run
+    def one_pass(group: str, form: str, inputs: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
+        """Every weight of `group` in `form`, each times its input."""
+        return lambda: [kernels.few_row_linear(x, packs, weight.shape[0], None)
+                        for x, packs, weight in zip(inputs, packed[group, form], groups[group], strict=True)]
 
-    rows_out = []
+    table = []
     generator = torch.Generator().manual_seed(0)
     for rows in ROW_COUNTS:
-        inputs = [torch.randn(rows, weight.shape[1], generator=generator) for weight in projections]
-        head_input = torch.randn(rows, head.shape[1], generator=generator)
-        for x, weight, panel, block in zip(inputs, projections, panels, blocks, strict=True):
-            assert torch.equal(kernels.few_row_linear(x, panel, weight.shape[0], None),
-                               kernels.few_row_linear(x, block, weight.shape[0], None))
-        assert torch.equal(kernels.few_row_linear(head_input, head_panels, head.shape[0], None),
-                           kernels.few_row_linear(head_input, head_blocks, head.shape[0], None))
-        times: dict[str, list[float]] = {"panels": [], "blocks": [], "head panels": [], "head blocks": []}
-        for _ in range(args.repeats):
-            times["panels"].append(timed_ms(projections_pass(panels, inputs)))
-            times["blocks"].append(timed_ms(projections_pass(blocks, inputs)))
-            times["head panels"].append(timed_ms(lambda: kernels.few_row_linear(head_input, head_panels, head.shape[0],
-                                                                                None)))
-            times["head blocks"].append(timed_ms(lambda: kernels.few_row_linear(head_input, head_blocks, head.shape[0],
-                                                                                None)))
-        median = {name: statistics.median(values) for name, values in times.items()}
-        rows_out.append([str(rows), f"{median['panels']:.2f}", f"{median['blocks']:.2f}",
-                         f"{median['panels'] / median['blocks']:.2f}x", f"{median['head panels']:.2f}",
-                         f"{median['head blocks']:.2f}", f"{median['head panels'] / median['head blocks']:.2f}x"])
-    header = ["rows", "projections f32", "blocks", "speed-up", "head f32", "head blocks", "speed-up"]
-    widths = [max(len(row[i]) for row in [header, *rows_out]) for i in range(len(header))]
+        line = [str(rows)]
+        for group, weights in groups.items():
+            inputs = [torch.randn(rows, weight.shape[1], generator=generator) for weight in weights]
+            passes = {form: one_pass(group, form, inputs) for form in forms}
+            assert all(map(torch.equal, passes["f32"](), passes["blocks"]())), f"{group}, {rows} rows: bits differ"
+            times: dict[str, list[float]] = {form: [] for form in forms}
+            for _ in range(args.repeats):  # the two forms alternate: this VM's speed drifts
+                for form, run in passes.items():
+                    times[form].append(timed_ms(run))
+            f32, blocks = (statistics.median(times[form]) for form in forms)
+            line += [f"{f32:.2f}", f"{blocks:.2f}", f"{f32 / blocks:.2f}x"]
+        table.append(line)
     print(f"few-row linear, all 30 layers' projections and the logits head, {torch.get_num_threads()} threads "
           "(medians, ms; same bits both ways, checked)")
-    for row in [header, *rows_out]:
-        print("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)))
+    print_table(["rows", "projections f32", "blocks", "speed-up", "head f32", "blocks", "speed-up"], table)
     return 0
 
 
