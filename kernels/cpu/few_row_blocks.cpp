@@ -27,10 +27,12 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 namespace {
 
@@ -209,6 +211,13 @@ at::Tensor pack(const at::Tensor& weight) {
   return exact ? packed : at::Tensor();
 }
 
+// Asks for the panel block two blocks after `block` (a panel's blocks lie one after another).
+template <class Format>
+inline void prefetch_two_blocks_on(const uint8_t* block) {
+  for (int64_t line = 0; line < Format::kBytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(block + 2 * Format::kBytes + line), _MM_HINT_T0);
+}
+
 // Adds rows [0, kRows) of x's block (32 k) times the rebuilt block w into their accumulators.
 template <int kRows>
 __attribute__((target("avx512f"))) void accumulate(const float* x, int64_t x_stride, const float* w, float* acc) {
@@ -255,8 +264,7 @@ __attribute__((target("avx512f"))) void panels_few_rows(const float* x, int64_t 
     typename Format::Scales scales[kPanels];
     for (int p = 0; p < kPanels; ++p) {
       const uint8_t* block = panel + p * panel_bytes + b * Format::kBytes;
-      for (int64_t line = 0; line < Format::kBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(block + 2 * Format::kBytes + line), _MM_HINT_T0);
+      prefetch_two_blocks_on<Format>(block);
       scales[p] = Format::scales(block);
     }
     for (int k = 0; k < kBlock; ++k) {
@@ -290,8 +298,7 @@ __attribute__((target("avx512f"))) void panel_rows(const float* x, int64_t x_str
     for (int c = 0; c < kPanel; ++c) acc[r * kPanel + c] = bias ? bias[c] : 0.f;
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = panel + b * Format::kBytes;
-    for (int64_t line = 0; line < Format::kBytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(block + 2 * Format::kBytes + line), _MM_HINT_T0);
+    prefetch_two_blocks_on<Format>(block);
     rebuild<Format>(block, w);
     for (int64_t row = 0; row < rows; row += kRowChunk) {
       const int chunk = static_cast<int>(std::min<int64_t>(kRowChunk, rows - row));
@@ -301,6 +308,39 @@ __attribute__((target("avx512f"))) void panel_rows(const float* x, int64_t x_str
   for (int64_t r = 0; r < rows; ++r)
     panel_layout::store_row(y + r * y_stride, _mm512_load_ps(acc + r * kPanel), _mm512_load_ps(acc + r * kPanel + 16),
                             columns);
+}
+
+using FewRows = void (*)(const float*, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t, int64_t);
+
+// panels_few_rows for one panel and 1, 2, ... rows, indexed by rows - 1.
+template <class Format, size_t... kIndex>
+constexpr std::array<FewRows, sizeof...(kIndex)> few_rows_kernels(std::index_sequence<kIndex...>) {
+  return {panels_few_rows<Format, static_cast<int>(kIndex) + 1, 1>...};
+}
+
+template <class Format>
+void run_blocks(const float* x, int64_t x_stride, int64_t rows, const at::Tensor& packed, const float* bias, float* y,
+                int64_t out_features) {
+  static constexpr auto kFewRows = few_rows_kernels<Format>(std::make_index_sequence<kRowChunk>());
+  const int64_t panels = packed.size(0), blocks = packed.size(1);
+  const uint8_t* p = packed.data_ptr<uint8_t>();
+  const int64_t group = rows == 1 ? 2 : 1;  // panels per work item
+  at::parallel_for(0, (panels + group - 1) / group, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t first_panel = item * group, first_column = first_panel * kPanel;
+      const uint8_t* panel = p + first_panel * blocks * Format::kBytes;
+      const float* panel_bias = bias ? bias + first_column : nullptr;
+      const int64_t columns_left = out_features - first_column;
+      if (rows > kRowChunk)
+        panel_rows<Format>(x, x_stride, rows, panel, blocks, panel_bias, y + first_column, out_features,
+                           std::min<int64_t>(kPanel, columns_left));
+      else if (group == 2 && first_panel + 1 < panels)
+        panels_few_rows<Format, 1, 2>(x, x_stride, panel, blocks, panel_bias, y + first_column, out_features,
+                                      columns_left);
+      else if (rows >= 1)
+        kFewRows[rows - 1](x, x_stride, panel, blocks, panel_bias, y + first_column, out_features, columns_left);
+    }
+  });
 }
 
 }  // namespace
@@ -320,33 +360,6 @@ bool is_block_packed(const at::Tensor& packed) {
 
 void few_row_linear_blocks(const float* x, int64_t x_stride, int64_t rows, const at::Tensor& packed,
                            const float* bias, float* y, int64_t out_features) {
-  const int64_t panels = packed.size(0), blocks = packed.size(1), bytes = packed.size(2);
-  const uint8_t* p = packed.data_ptr<uint8_t>();
-  const bool four_bit = bytes == FourBit::kBytes;
-  using FewRows = void (*)(const float*, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t, int64_t);
-  constexpr FewRows kFourBit[kRowChunk] = {panels_few_rows<FourBit, 1, 1>, panels_few_rows<FourBit, 2, 1>,
-                                           panels_few_rows<FourBit, 3, 1>, panels_few_rows<FourBit, 4, 1>,
-                                           panels_few_rows<FourBit, 5, 1>, panels_few_rows<FourBit, 6, 1>,
-                                           panels_few_rows<FourBit, 7, 1>, panels_few_rows<FourBit, 8, 1>};
-  constexpr FewRows kEightBit[kRowChunk] = {panels_few_rows<EightBit, 1, 1>, panels_few_rows<EightBit, 2, 1>,
-                                            panels_few_rows<EightBit, 3, 1>, panels_few_rows<EightBit, 4, 1>,
-                                            panels_few_rows<EightBit, 5, 1>, panels_few_rows<EightBit, 6, 1>,
-                                            panels_few_rows<EightBit, 7, 1>, panels_few_rows<EightBit, 8, 1>};
-  const FewRows one_row_pair = four_bit ? panels_few_rows<FourBit, 1, 2> : panels_few_rows<EightBit, 1, 2>;
-  const auto many_rows = four_bit ? panel_rows<FourBit> : panel_rows<EightBit>;
-  const int64_t group = rows == 1 ? 2 : 1;  // panels per work item
-  at::parallel_for(0, (panels + group - 1) / group, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t first_panel = item * group, first_column = first_panel * kPanel;
-      const uint8_t* panel = p + first_panel * blocks * bytes;
-      const float* panel_bias = bias ? bias + first_column : nullptr;
-      const int64_t columns_left = out_features - first_column;
-      if (rows > kRowChunk)
-        many_rows(x, x_stride, rows, panel, blocks, panel_bias, y + first_column, out_features,
-                  std::min<int64_t>(kPanel, columns_left));
-      else if (rows >= 1)
-        (group == 2 && first_panel + 1 < panels ? one_row_pair : (four_bit ? kFourBit : kEightBit)[rows - 1])(
-            x, x_stride, panel, blocks, panel_bias, y + first_column, out_features, columns_left);
-    }
-  });
+  (packed.size(2) == FourBit::kBytes ? run_blocks<FourBit> : run_blocks<EightBit>)(x, x_stride, rows, packed, bias, y,
+                                                                                   out_features);
 }
