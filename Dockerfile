@@ -28,7 +28,7 @@ RUN pip install ".[${EXTRAS}]"
 # The native CPU kernels are built here too when this build machine has AVX-512; elsewhere a worker
 # pod on an AVX-512 node builds them on its first start (about 30 s; the image carries g++).
 RUN case ",${EXTRAS}," in *,worker,*) prefixcache model pull && rm -rf /opt/prefixcache/wheels \
-    && python -c "from prefixcache.kernels.native_cpu import report; report()" ;; \
+    && python -c "from prefixcache.kernels.cpu.native import report; report()" ;; \
     *) mkdir -p /opt/prefixcache ;; esac
 
 FROM python:${PYTHON}-slim-bookworm

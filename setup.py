@@ -1,4 +1,11 @@
-"""Package layout: the `prefixcache` namespace maps onto the fixed top-level folders.
+"""Package layout: one PEP 420 namespace, `prefixcache`, spread over four source roots.
+
+Each of the fixed top-level folders `protos/`, `services/`, `kernels/` and `operator/` holds a
+`prefixcache/` folder without an `__init__.py`: a portion of the namespace, as in the Azure and
+Google Cloud monorepos. A module's dotted name is its path below its root
+(`prefixcache.scheduler.kv_cache.manager` is `services/prefixcache/scheduler/kv_cache/manager.py`),
+so any tool that knows the four roots follows every import. `scripts/setup.sh` puts them on the
+virtual environment's path.
 
 `build_py` also compiles `protos/**/*.proto` into Python gRPC stubs written next to them (they are
 gitignored), so every install, editable ones included, carries stubs matching its .proto files.
@@ -6,25 +13,21 @@ gitignored), so every install, editable ones included, carries stubs matching it
 import importlib.util
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, setup
 from setuptools.command.build_py import build_py
 
-FOLDERS = {"services": "services", "kernels": "kernels", "operator": "operator", "protos": "protos"}
-# Folders that hold only package data (no Python), named so that setuptools ships them as such.
-DATA_PACKAGES = ["prefixcache.kernels.cpu"]  # the native CPU kernels' C++ sources, built on first use
+SOURCE_ROOTS = ("protos", "services", "kernels", "operator")
 ROOT = Path(__file__).resolve().parent
 
 
 def packages_and_dirs() -> tuple[list[str], dict[str, str]]:
     packages: list[str] = []
     package_dir: dict[str, str] = {}
-    for name, folder in FOLDERS.items():
-        root = f"prefixcache.{name}"
-        packages.append(root)
-        package_dir[root] = folder
-        for sub in find_packages(folder):
-            packages.append(f"{root}.{sub}")
-    return packages + DATA_PACKAGES, package_dir
+    for root in SOURCE_ROOTS:
+        for package in find_namespace_packages(where=root, include=["prefixcache.*"]):
+            packages.append(package)
+            package_dir[package] = f"{root}/{package.replace('.', '/')}"
+    return packages, package_dir
 
 
 def generate_protos() -> None:

@@ -14,11 +14,11 @@ import time
 from collections.abc import Callable
 
 import torch
+from attention_cases import print_table
 from safetensors.torch import load_file
 
-from attention_cases import print_table
-from prefixcache.kernels.native_cpu import native_cpu_kernels
-from prefixcache.services.common.model_store import ensure_default_model
+from prefixcache.kernels.cpu.native import native_cpu_kernels
+from prefixcache.model_store.store import ensure_default_model
 
 ROW_COUNTS = (1, 2, 4, 8, 16, 64, 128)
 

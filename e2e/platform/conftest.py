@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 from platform_harness import run, running_platforms, start_platform, stop_platform, wait_idle
 
-from prefixcache.services.cli.launcher import LocalPlatform
+from prefixcache.launcher import LocalPlatform
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from prefixcache.services.cli.launcher import LocalPlatform, PlatformConfig, free_port
-from prefixcache.services.common.engine_client import EngineClient
+from prefixcache.client import EngineClient
+from prefixcache.launcher import LocalPlatform, PlatformConfig, free_port
 
 # 113 blocks of 16 tokens: room for 16 streams or two 1,000-token prompts sharing a prefix, and small
 # enough that the eviction test fills it with two more.
@@ -29,7 +29,7 @@ def run(coroutine):
 
 
 def start_platform(log_dir: Path, extra_scheduler_args: list[str] = ()) -> LocalPlatform:
-    from prefixcache.services.common.model_store import ensure_default_model
+    from prefixcache.model_store.store import ensure_default_model
 
     platform = LocalPlatform(
         PlatformConfig(

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 from functools import cache
 
-from prefixcache.services.tokenizer.text import TextTokenizer
+from prefixcache.tokenizer.text import TextTokenizer
 
 TOPICS = ("rivers", "bridges", "orchards", "lighthouses", "glaciers", "libraries", "harbors", "deserts")
 
 
 @cache
 def tokenizer() -> TextTokenizer:
-    from prefixcache.services.common.model_store import ensure_default_model
+    from prefixcache.model_store.store import ensure_default_model
 
     return TextTokenizer(ensure_default_model())
 

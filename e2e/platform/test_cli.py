@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 def prefixcache(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "prefixcache.services.cli.main", *args], capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "prefixcache.cli.main", *args], capture_output=True, text=True, timeout=120,
         env=env,
     )
 
@@ -77,7 +77,7 @@ def test_generate_json_with_logprobs(target: str) -> None:
 def test_a_reader_that_goes_away_ends_generate_quietly(target: str) -> None:
     """`prefixcache generate … | head -c 5`: the streamed text meets a closed pipe."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "prefixcache.services.cli.main", "generate", "Tell me a long story", "--target", target,
+        [sys.executable, "-m", "prefixcache.cli.main", "generate", "Tell me a long story", "--target", target,
          "--max-tokens", "64", "--ignore-eos", "--temperature", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -92,7 +92,7 @@ def test_a_reader_that_goes_away_ends_generate_quietly(target: str) -> None:
 def test_ctrl_c_ends_a_streaming_command_quietly_and_frees_the_request(target: str, command: str) -> None:
     prompt = ["Tell me a long story"] if command == "generate" else []
     process = subprocess.Popen(
-        [sys.executable, "-m", "prefixcache.services.cli.main", command, *prompt, "--target", target,
+        [sys.executable, "-m", "prefixcache.cli.main", command, *prompt, "--target", target,
          "--max-tokens", "400", "--ignore-eos", "--temperature", "0"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -152,7 +152,7 @@ def test_chat_goes_on_after_an_empty_reply_and_a_refused_turn(target: str) -> No
     # Any first token holding a letter, digit, space or newline stops before it: an empty reply.
     stops = [f"--stop={c}" for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 \n"]
     session = subprocess.run(
-        [sys.executable, "-m", "prefixcache.services.cli.main", "chat", "--target", target, "--max-tokens", "4",
+        [sys.executable, "-m", "prefixcache.cli.main", "chat", "--target", target, "--max-tokens", "4",
          "--temperature", "0", *stops],
         input="Hello\n" + "x" * 40_000 + "\nWhat is 2+2?\n", capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -168,7 +168,7 @@ def test_chat_goes_on_after_an_empty_reply_and_a_refused_turn(target: str) -> No
 def test_text_that_is_not_utf8_is_a_usage_error_naming_the_argument(option: str) -> None:
     """Bytes that are not UTF-8 reach Python as lone surrogates, which no message can carry."""
     text = [b"x\xff"] if option == "prompt" else [b"Hello", option.encode(), b"x\xff"]
-    result = subprocess.run([sys.executable, "-m", "prefixcache.services.cli.main", "generate", "--target",
+    result = subprocess.run([sys.executable, "-m", "prefixcache.cli.main", "generate", "--target",
                              "127.0.0.1:1", *text], capture_output=True, timeout=120)  # fmt: skip
     stderr = result.stderr.decode()
     assert result.returncode == 2 and "Traceback" not in stderr, stderr
@@ -177,7 +177,7 @@ def test_text_that_is_not_utf8_is_a_usage_error_naming_the_argument(option: str)
 
 def test_a_salt_variable_that_is_not_utf8_is_refused_without_a_traceback() -> None:
     environment = {**os.environb, b"PREFIXCACHE_CACHE_SALT": b"salt\xff"}
-    command = [sys.executable, "-m", "prefixcache.services.cli.main", "generate", "--target", "127.0.0.1:1", "Hello"]
+    command = [sys.executable, "-m", "prefixcache.cli.main", "generate", "--target", "127.0.0.1:1", "Hello"]
     result = subprocess.run(command, env=environment, capture_output=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.decode().strip() == "prefixcache generate: $PREFIXCACHE_CACHE_SALT is not valid UTF-8 text"
@@ -189,7 +189,7 @@ def test_chat_sends_utf8_lines_and_refuses_others_whatever_stdin_decodes_with(st
     environment = {key: value for key, value in os.environ.items() if key != "PYTHONIOENCODING"}
     if stdin_encoding:
         environment["PYTHONIOENCODING"] = stdin_encoding
-    chat = subprocess.run([sys.executable, "-m", "prefixcache.services.cli.main", "chat", "--target", "127.0.0.1:1"],
+    chat = subprocess.run([sys.executable, "-m", "prefixcache.cli.main", "chat", "--target", "127.0.0.1:1"],
                           input="héllo\n".encode() + b"hello \xff\n", env=environment, capture_output=True,
                           timeout=120)  # fmt: skip
     stderr = chat.stderr.decode(errors="replace")

@@ -14,15 +14,15 @@ from pathlib import Path
 import grpc
 import pytest
 
+from prefixcache.launcher import free_port
 from prefixcache.protos.engine.v1 import engine_pb2, engine_pb2_grpc
-from prefixcache.services.cli.launcher import free_port
 
 pytestmark = pytest.mark.slow
 
 
 def test_serve_demo_shows_the_second_requests_cached_tokens(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "prefixcache.services.cli.main", "serve", "--demo", "--port", str(free_port()),
+        [sys.executable, "-m", "prefixcache.cli.main", "serve", "--demo", "--port", str(free_port()),
          "--kv-cache-memory", "64MiB", "--log-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -102,7 +102,7 @@ def _serve(port: int, log_dir: Path, *options: str, new_session: bool = False) -
     """`prefixcache serve` as a user starts it; `new_session`: in a process group of its own, for
     signals sent to the whole group as a terminal or systemd does."""
     return subprocess.Popen(
-        [sys.executable, "-m", "prefixcache.services.cli.main", "serve", "--port", str(port), "--log-dir", str(log_dir),
+        [sys.executable, "-m", "prefixcache.cli.main", "serve", "--port", str(port), "--log-dir", str(log_dir),
          *options],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=new_session,
     )  # fmt: skip
@@ -111,7 +111,7 @@ def _serve(port: int, log_dir: Path, *options: str, new_session: bool = False) -
 def _generate_in_background(port: int, max_tokens: int) -> subprocess.Popen:
     """A greedy generation that ignores end-of-sequence, printing one JSON object at the end."""
     return subprocess.Popen(
-        [sys.executable, "-m", "prefixcache.services.cli.main", "generate", "--target", f"127.0.0.1:{port}",
+        [sys.executable, "-m", "prefixcache.cli.main", "generate", "--target", f"127.0.0.1:{port}",
          "--json", "--max-tokens", str(max_tokens), "--ignore-eos", "--temperature", "0", "Count to a million."],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

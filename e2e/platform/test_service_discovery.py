@@ -6,7 +6,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from prefixcache.services.cli.launcher import LocalPlatform
+from prefixcache.launcher import LocalPlatform
 
 pytestmark = pytest.mark.slow
 

@@ -10,9 +10,9 @@ import pytest
 from platform_harness import run, scrape_metrics, start_platform, stop_platform, wait_idle
 from platform_prompts import question, shared_prefix
 
+from prefixcache.client import Completion, EngineClient, build_request
+from prefixcache.launcher import LocalPlatform
 from prefixcache.protos.engine.v1 import engine_pb2 as pb
-from prefixcache.services.cli.launcher import LocalPlatform
-from prefixcache.services.common.engine_client import Completion, EngineClient, build_request
 
 pytestmark = pytest.mark.slow
 BLOCK = 16

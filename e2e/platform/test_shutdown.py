@@ -8,9 +8,9 @@ import grpc
 import pytest
 from platform_harness import run
 
-from prefixcache.services.cli.launcher import LocalPlatform
-from prefixcache.services.common.engine_client import Completion, EngineClient, build_request
-from prefixcache.services.common.grpc_client import is_serving, open_channel
+from prefixcache.client import Completion, EngineClient, build_request
+from prefixcache.launcher import LocalPlatform
+from prefixcache.rpc.client import is_serving, open_channel
 
 pytestmark = pytest.mark.slow
 

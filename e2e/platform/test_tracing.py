@@ -8,13 +8,13 @@ from pathlib import Path
 
 import grpc
 import pytest
-from platform_harness import run
-from platform_prompts import shared_prefix
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+from platform_harness import run
+from platform_prompts import shared_prefix
 
-from prefixcache.services.cli.launcher import LocalPlatform
-from prefixcache.services.common.engine_client import EngineClient, build_request
+from prefixcache.client import EngineClient, build_request
+from prefixcache.launcher import LocalPlatform
 
 pytestmark = pytest.mark.slow
 

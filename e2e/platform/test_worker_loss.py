@@ -12,8 +12,8 @@ import pytest
 from platform_harness import run, scrape_metrics, start_platform, stop_platform
 from platform_prompts import question, shared_prefix
 
-from prefixcache.services.cli.launcher import LocalPlatform
-from prefixcache.services.common.engine_client import Completion, EngineClient, build_request
+from prefixcache.client import Completion, EngineClient, build_request
+from prefixcache.launcher import LocalPlatform
 
 pytestmark = pytest.mark.slow
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import grpc
 import pytest
 
+from prefixcache.bench.local_platform import LocalSettings, local_platform
+from prefixcache.bench.session import BenchConfig, run_session
+from prefixcache.bench.workloads import IntRange, WorkloadOptions
+from prefixcache.cli import main as cli
 from prefixcache.protos.engine.v1 import engine_pb2, engine_pb2_grpc
-from prefixcache.services.bench.local_platform import LocalSettings, local_platform
-from prefixcache.services.bench.session import BenchConfig, run_session
-from prefixcache.services.bench.workloads import IntRange, WorkloadOptions
-from prefixcache.services.cli import main as cli
 
 pytestmark = pytest.mark.slow
 
@@ -147,7 +147,7 @@ def _processes_writing_under(directory: Path) -> list[int]:
 
 def _bench_process(tmp_path: Path, *args: str) -> subprocess.Popen:
     """`prefixcache bench` in its own process, its local platform's log folder under `tmp_path`."""
-    return subprocess.Popen([sys.executable, "-m", "prefixcache.services.cli.main", "bench", *args],
+    return subprocess.Popen([sys.executable, "-m", "prefixcache.cli.main", "bench", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "TMPDIR": str(tmp_path)})
 

@@ -18,13 +18,13 @@ from dataclasses import replace
 import grpc
 import pytest
 
+from prefixcache.bench.driver import TenantSalts, drive
+from prefixcache.bench.engine import EngineEndpoint
+from prefixcache.bench.metrics import summarize
+from prefixcache.bench.session import BenchConfig, BenchOutcome, ComparedSystem, run_interleaved, run_session
+from prefixcache.bench.workloads import IntRange, WorkloadOptions, generate
+from prefixcache.cli import main as cli
 from prefixcache.protos.engine.v1 import engine_pb2, engine_pb2_grpc
-from prefixcache.services.bench.driver import TenantSalts, drive
-from prefixcache.services.bench.engine import EngineEndpoint
-from prefixcache.services.bench.metrics import summarize
-from prefixcache.services.bench.session import BenchConfig, BenchOutcome, ComparedSystem, run_interleaved, run_session
-from prefixcache.services.bench.workloads import IntRange, WorkloadOptions, generate
-from prefixcache.services.cli import main as cli
 
 BLOCK = 16
 
@@ -310,7 +310,7 @@ def test_local_platform_options_are_refused_with_a_target(engine_server, capsys)
 @pytest.mark.parametrize("ignored", [False, True], ids=["sigint", "sigint-ignored"])
 def test_sigint_stops_a_run_unless_the_bench_was_started_with_it_ignored(engine_server, ignored):
     servicer, target = engine_server
-    command = [sys.executable, "-m", "prefixcache.services.cli.main", "bench", "--target", target,
+    command = [sys.executable, "-m", "prefixcache.cli.main", "bench", "--target", target,
                "--workload", "unique", "--num-requests", "150", "--concurrency", "1", "--prefix-len", "64",
                "--suffix-len", "4:20", "--output-len", "4", "--warmup", "0", "--no-progress"]
     if ignored:  # as `cmd &` in a non-interactive shell starts it: SIGINT ignored, which the bench must keep

@@ -1,7 +1,7 @@
 """Report arithmetic against values computed by hand."""
 import pytest
 
-from prefixcache.services.bench.metrics import (
+from prefixcache.bench.metrics import (
     Percentiles,
     RequestRecord,
     hit_rate_over_time,

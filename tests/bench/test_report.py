@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from prefixcache.services.bench.metrics import RequestRecord, summarize
-from prefixcache.services.bench.report import ProgressBar, WorkloadResult, render_systems, render_table, to_json
+from prefixcache.bench.metrics import RequestRecord, summarize
+from prefixcache.bench.report import ProgressBar, WorkloadResult, render_systems, render_table, to_json
 
 
 def run(ttft, finished, cached, reason):
@@ -70,7 +70,7 @@ def test_a_workload_whose_requests_all_failed_plots_without_warnings(tmp_path):
     pytest.importorskip("matplotlib")
     import warnings
 
-    from prefixcache.services.bench.plot import plot
+    from prefixcache.bench.plot import plot
 
     failed = [RequestRecord("r", 0.0, error="DEADLINE_EXCEEDED: deadline exceeded")]
     good = [RequestRecord("r", 0.0, [(0.1, 1), (0.5, 1)], 0.5, 1000, 992, 2, "cold", "")]

@@ -3,8 +3,8 @@ from dataclasses import replace
 
 import pytest
 
-from prefixcache.services.bench.engine import EngineFacts
-from prefixcache.services.bench.session import (
+from prefixcache.bench.engine import EngineFacts
+from prefixcache.bench.session import (
     BenchConfig,
     BenchOutcome,
     check_comparable,
@@ -13,8 +13,8 @@ from prefixcache.services.bench.session import (
     resolve_options,
     thrash_prefixes_for,
 )
-from prefixcache.services.bench.workloads import GENERATORS, WorkloadOptions
-from prefixcache.services.cli.main import main as cli_main
+from prefixcache.bench.workloads import GENERATORS, WorkloadOptions
+from prefixcache.cli.main import main as cli_main
 
 FACTS = EngineFacts("m", "float32", vocab_size=50_000, max_model_len=8192, block_size=16, num_kv_blocks=1456,
                     prefix_caching_enabled=True)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from prefixcache.services.bench.driver import TenantSalts, drive
-from prefixcache.services.bench.workloads import BenchRequest
+from prefixcache.bench.driver import TenantSalts, drive
+from prefixcache.bench.workloads import BenchRequest
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "vs_vllm.py"
 CONCURRENCY = 12  # above asyncio's default pool on small machines (min(32, CPUs + 4))

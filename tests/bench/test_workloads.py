@@ -1,12 +1,12 @@
 """The workload generators: deterministic per seed, shaped as the issue describes."""
 import math
-from collections import Counter
 import random
+from collections import Counter
 from dataclasses import replace
 
 import pytest
 
-from prefixcache.services.bench.workloads import (
+from prefixcache.bench.workloads import (
     GENERATORS,
     IntRange,
     WorkloadOptions,
@@ -155,7 +155,7 @@ def test_multi_turn_conversations_stay_within_the_turns_range(turns):
 
 
 def test_the_split_check_agrees_with_trying_every_number_of_conversations():
-    from prefixcache.services.bench.workloads import _splits
+    from prefixcache.bench.workloads import _splits
 
     for turns in (IntRange(1, 1), IntRange(4, 8), IntRange(3, 4), IntRange(5, 5), IntRange(2, 9)):
         for total in range(0, 80):

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from prefixcache.kernels.backends import triton_runs_interpreted
-from prefixcache.kernels.native_cpu import NativeCpuKernels, native_cpu_kernels
+from prefixcache.kernels.cpu.native import NativeCpuKernels, native_cpu_kernels
 
 INTERPRETED = not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -14,7 +14,7 @@ import torch
 
 from prefixcache.kernels import AttentionMetadata
 from prefixcache.kernels.backends import TorchAttentionBackend
-from prefixcache.kernels.decode_staging import DecodeStaging
+from prefixcache.kernels.cpu.decode_staging import DecodeStaging
 
 BLOCK = 4
 NUM_BLOCKS = 96

@@ -1,4 +1,4 @@
-"""The native CPU attention (`kernels/cpu/prefill_attention.cpp`, `decode_attention.cpp`) against the
+"""The native CPU attention (`kernels/prefixcache/kernels/cpu/prefill_attention.cpp`, `decode_attention.cpp`) against the
 plain-torch reference.
 
 Skipped only where the kernel cannot run by design (no AVX-512): on a machine that has it, a kernel
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from prefixcache.kernels import AttentionMetadata, get_attention_backend, paged_attention_reference
-from prefixcache.kernels.native_cpu import DISABLE_ENV, native_cpu_kernels
+from prefixcache.kernels.cpu.attention import TorchAttentionPlan
+from prefixcache.kernels.cpu.native import DISABLE_ENV, native_cpu_kernels
 from prefixcache.kernels.reference import reshape_and_cache_reference
-from prefixcache.kernels.torch_attention import TorchAttentionPlan
 
 pytestmark = pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
                                 reason="the native prefill attention needs AVX-512")

@@ -1,13 +1,13 @@
-"""The native elementwise kernels (`kernels/cpu/rms_norm.cpp`, `elementwise.cpp`) against the model's torch code."""
+"""The native elementwise kernels (`kernels/prefixcache/kernels/cpu/rms_norm.cpp`, `elementwise.cpp`) against the model's torch code."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from prefixcache.services.worker.model_config import RopeConfig
-from prefixcache.services.worker.models.llama import RMSNorm
-from prefixcache.services.worker.models.rotary import RotaryEmbedding, rotate
+from prefixcache.worker.model_config import RopeConfig
+from prefixcache.worker.models.llama import RMSNorm
+from prefixcache.worker.models.rotary import RotaryEmbedding, rotate
 
 pytestmark = pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
                                 reason="the native kernels need AVX-512")

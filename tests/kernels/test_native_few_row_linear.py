@@ -6,7 +6,6 @@ Skipped only without AVX-512: on a machine that has it, a kernel that fails to b
 import pytest
 import torch
 
-
 pytestmark = pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
                                 reason="the native few-row linear kernel needs AVX-512")
 

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from prefixcache.kernels import AttentionMetadata, get_attention_backend, paged_attention_reference
-from prefixcache.kernels.reference import reshape_and_cache_reference
-from prefixcache.kernels.torch_attention import (
+from prefixcache.kernels.cpu.attention import (
     TorchAttentionPlan,
     _attend_context_prefill,
     _masked_context_prefill,
     _read_blocks,
     attend_torch,
 )
+from prefixcache.kernels.reference import reshape_and_cache_reference
 
 # (queries per kv head, head_dim, block_size); two kv heads each. head_dim 24 exercises the kernel's padding.
 SHAPES = [
@@ -57,7 +57,7 @@ def reference_output(batch) -> torch.Tensor:
 def test_triton_kernel_matches_reference(
     triton_kernels, paged_batch, relative_error, device, sequences, queries_per_kv, head_dim, block_size
 ):
-    from prefixcache.kernels.triton_paged_attention import paged_attention
+    from prefixcache.kernels.triton_ops.paged_attention import paged_attention
 
     batch = paged_batch(
         sequences, block_size=block_size, num_kv_heads=2, queries_per_kv=queries_per_kv, head_dim=head_dim

@@ -10,7 +10,7 @@ from prefixcache.kernels import AttentionMetadata, get_attention_backend, reshap
 
 @pytest.mark.parametrize("num_kv_heads,head_dim", [(1, 16), (3, 24)])
 def test_triton_kernel_writes_exactly_the_mapped_slots(triton_kernels, paged_batch, device, num_kv_heads, head_dim):
-    from prefixcache.kernels.triton_reshape_and_cache import reshape_and_cache
+    from prefixcache.kernels.triton_ops.reshape_and_cache import reshape_and_cache
 
     batch = paged_batch(
         [(0, 6), (9, 5), (12, 1), (3, 1)], block_size=4, num_kv_heads=num_kv_heads, queries_per_kv=1, head_dim=head_dim
@@ -36,7 +36,7 @@ def test_torch_write_path_matches_reference(paged_batch):
 
 
 def test_triton_wrapper_rejects_mismatched_shapes(triton_kernels, device):
-    from prefixcache.kernels.triton_reshape_and_cache import reshape_and_cache
+    from prefixcache.kernels.triton_ops.reshape_and_cache import reshape_and_cache
 
     cache = torch.randn(4, 4, 2, 8, device=device)
     key = torch.randn(3, 2, 8, device=device)

@@ -218,7 +218,7 @@ def test_a_new_chart_version_alone_rolls_no_pod(chart: Any) -> None:
 
 def test_chart_crd_is_the_operator_crd() -> None:
     chart_copy = CHART / "crds" / "prefixcachedeployments.yaml"
-    assert chart_copy.read_bytes() == (REPO / "operator" / "crd.yaml").read_bytes()
+    assert chart_copy.read_bytes() == (REPO / "operator" / "prefixcache" / "operator" / "crd.yaml").read_bytes()
 
 
 def test_two_releases_of_one_name_in_two_namespaces_share_no_cluster_scoped_object(chart: Any) -> None:

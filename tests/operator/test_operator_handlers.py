@@ -10,9 +10,9 @@ from typing import Any
 
 import kmock
 import pytest
+from kube_emulator import EmulatedCluster, running_operator
 from kubernetes import client, config
 
-from kube_emulator import EmulatedCluster, running_operator
 from prefixcache.operator.schema import GROUP, KIND, PLURAL, VERSION
 
 NAMESPACE = "default"

@@ -13,8 +13,8 @@ from kubernetes_validate.utils import ValidationError
 
 from prefixcache.operator import kube
 from prefixcache.operator.render import CONFIG_HASH_ANNOTATION, ENGINE_SERVICE, Owner, render
-from prefixcache.protos.engine.v1 import engine_pb2
 from prefixcache.operator.spec import parse_spec
+from prefixcache.protos.engine.v1 import engine_pb2
 
 OWNER = Owner(name="chat", namespace="serving", uid="6a1f0c9e-0000-4000-8000-000000000001")
 FULL_SPEC = {

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from prefixcache.services.tokenizer.text import TextTokenizer
+from prefixcache.tokenizer.text import TextTokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> TextTokenizer:
-    from prefixcache.services.common.model_store import ensure_default_model
+    from prefixcache.model_store.store import ensure_default_model
 
     return TextTokenizer(ensure_default_model())

@@ -6,15 +6,14 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from grpc import aio
+from sim_worker import SimulatedWorker
 
 from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
-from prefixcache.services.scheduler.engine_core import EngineCore, SchedulerConfig, StepExecutor
-from prefixcache.services.scheduler.engine_service import EngineOptions, EngineServicer
-from prefixcache.services.scheduler.tokenizer_client import TokenizerClient
-from prefixcache.services.tokenizer.server import servicer as tokenizer_servicer
-from prefixcache.services.tokenizer.text import TextTokenizer
-
-from sim_worker import SimulatedWorker
+from prefixcache.scheduler.engine_core import EngineCore, SchedulerConfig, StepExecutor
+from prefixcache.scheduler.engine_service import EngineOptions, EngineServicer
+from prefixcache.scheduler.tokenizer_client import TokenizerClient
+from prefixcache.tokenizer.server import servicer as tokenizer_servicer
+from prefixcache.tokenizer.text import TextTokenizer
 
 PROMPT = list(range(300, 311))
 SPECIAL_IDS = tuple(range(17))  # SmolLM2's special tokens: never generated, so all text shows

@@ -13,8 +13,8 @@ import asyncio
 import hashlib
 from dataclasses import dataclass, field
 
-from prefixcache.services.common.step import SchedulerStep, StepOutput
-from prefixcache.services.scheduler.engine_core import WorkerInfo, WorkerUnavailable
+from prefixcache.scheduler.engine_core import WorkerInfo, WorkerUnavailable
+from prefixcache.step.messages import SchedulerStep, StepOutput
 
 
 def next_token(token_ids: list[int], vocab_size: int, avoid: frozenset[int] = frozenset()) -> int:

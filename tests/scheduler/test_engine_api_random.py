@@ -10,17 +10,16 @@ import random
 
 import grpc
 import pytest
+from engine_harness import PROMPT, engine_api
 from grpc import aio
 
+from prefixcache.client import EngineClient, build_request
+from prefixcache.model_store.store import ensure_default_model
 from prefixcache.protos.common.v1 import chat_pb2
 from prefixcache.protos.engine.v1 import engine_pb2 as pb
 from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
-from prefixcache.services.common.engine_client import EngineClient, build_request
-from prefixcache.services.common.model_store import ensure_default_model
-from prefixcache.services.scheduler.engine_core import StepExecutor
-from prefixcache.services.tokenizer.text import TextTokenizer
-
-from engine_harness import PROMPT, engine_api
+from prefixcache.scheduler.engine_core import StepExecutor
+from prefixcache.tokenizer.text import TextTokenizer
 
 # What an INVALID_ARGUMENT message may start with: the request's fields, as the API names them.
 FIELDS = ("prompt", "text", "token_ids", "chat", "request_id", "sampling.max_tokens",
@@ -146,8 +145,8 @@ def test_random_requests_end_well_or_name_a_field_and_leave_the_engine_serving(t
 
 def test_random_requests_on_the_embedded_model(tokenizer: TextTokenizer) -> None:
     """The same on the real model, whose sampler sees every sampling option the faults left valid."""
-    from prefixcache.services.scheduler.local_executor import LocalExecutor
-    from prefixcache.services.worker.model_runner import ModelRunner
+    from prefixcache.llm.local_executor import LocalExecutor
+    from prefixcache.worker.model_runner import ModelRunner
 
     runner = ModelRunner(ensure_default_model(), dtype="float32")
     executor = LocalExecutor(runner, num_kv_blocks=512)

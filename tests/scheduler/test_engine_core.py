@@ -6,10 +6,10 @@ import asyncio
 import time
 
 import pytest
+from sim_worker import SimulatedWorker, reference_generation
 
-from prefixcache.services.common.block_identity import BlockExtras, MultiModalItem
-from prefixcache.services.common.step import SamplingParams
-from prefixcache.services.scheduler.engine_core import (
+from prefixcache.block_identity.hashing import BlockExtras, MultiModalItem
+from prefixcache.scheduler.engine_core import (
     EngineCore,
     EngineRequest,
     EngineUnavailable,
@@ -17,8 +17,7 @@ from prefixcache.services.scheduler.engine_core import (
     RequestRejected,
     SchedulerConfig,
 )
-
-from sim_worker import SimulatedWorker, reference_generation
+from prefixcache.step.messages import SamplingParams
 
 VOCAB = 1000
 BLOCK = 4
@@ -476,7 +475,7 @@ def test_the_engine_core_imports_no_torch_and_no_grpc():
     import sys
 
     code = (
-        "import sys, prefixcache.services.scheduler.engine_core, prefixcache.services.scheduler.local_executor\n"
+        "import sys, prefixcache.scheduler.engine_core, prefixcache.llm.local_executor\n"
         "print(sorted(m for m in ('torch', 'grpc', 'triton') if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -9,15 +9,17 @@ import re
 
 import grpc
 import pytest
+from engine_harness import PROMPT, SPECIAL_IDS, engine_api
 from grpc import aio
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from sim_worker import SimulatedWorker, reference_generation
 
+from prefixcache.client import Completion, EngineClient, build_request
 from prefixcache.protos.engine.v1 import engine_pb2 as pb
-from prefixcache.services.common.engine_client import Completion, EngineClient, build_request
-from prefixcache.services.scheduler import engine_service
-from prefixcache.services.scheduler.engine_service import (
+from prefixcache.scheduler import engine_service
+from prefixcache.scheduler.engine_service import (
     MAX_CACHE_SALT_BYTES,
     MAX_HASHES_PER_EVICTION_EVENT,
     MAX_REQUEST_ID_BYTES,
@@ -26,12 +28,9 @@ from prefixcache.services.scheduler.engine_service import (
     MAX_TENANT_BYTES,
     eviction_attributes,
 )
-from prefixcache.services.scheduler.kv_cache import EvictionBatch
-from prefixcache.services.scheduler.tokenizer_client import StreamingDetokenizer
-from prefixcache.services.tokenizer.text import TextTokenizer
-
-from engine_harness import PROMPT, SPECIAL_IDS, engine_api
-from sim_worker import SimulatedWorker, reference_generation
+from prefixcache.scheduler.kv_cache import EvictionBatch
+from prefixcache.scheduler.tokenizer_client import StreamingDetokenizer
+from prefixcache.tokenizer.text import TextTokenizer
 
 
 def stop_string_at(tokenizer: TextTokenizer, generated: list[int], first: int) -> tuple[int, str]:
@@ -218,7 +217,7 @@ def test_an_unreachable_tokenizer_is_unavailable_without_naming_its_address(toke
                                                                             prompt: dict) -> None:
     """gRPC's details for a refused connection carry the peer's address; clients get the status
     code only, and the engine frees what the request held."""
-    from prefixcache.services.cli.launcher import free_port
+    from prefixcache.launcher import free_port
 
     dead_port = free_port()
 

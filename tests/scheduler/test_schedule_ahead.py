@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from prefixcache.services.common.block_identity import BlockHasher
-from prefixcache.services.common.step import SamplingParams, SchedulerStep, StepOutput
-from prefixcache.services.scheduler.kv_cache import KVCacheManager
-from prefixcache.services.scheduler.request import EngineRequest, RequestOutput
-from prefixcache.services.scheduler.scheduler import Scheduler, SchedulerConfig
-
 from sim_worker import SimulatedWorker, reference_generation
+
+from prefixcache.block_identity.hashing import BlockHasher
+from prefixcache.scheduler.kv_cache import KVCacheManager
+from prefixcache.scheduler.policy import Scheduler, SchedulerConfig
+from prefixcache.scheduler.request import EngineRequest, RequestOutput
+from prefixcache.step.messages import SamplingParams, SchedulerStep, StepOutput
 
 BLOCK = 4
 VOCAB = 1000

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from prefixcache.services.cli import serve
-from prefixcache.services.scheduler import server
+from prefixcache.cli import serve
+from prefixcache.scheduler import server
 
 
 def scheduler_config(*flags: str):
@@ -32,7 +32,7 @@ def test_serve_passes_caching_off_on_to_the_scheduler(flag: str) -> None:
 
 
 def test_serve_passes_queue_length_and_worker_options_on_to_the_services_that_read_them() -> None:
-    from prefixcache.services.worker import server as worker_server
+    from prefixcache.worker import server as worker_server
 
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)

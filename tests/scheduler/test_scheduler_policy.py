@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from prefixcache.services.common.block_identity import BlockHasher
-from prefixcache.services.common.step import SamplingParams, StepOutput, TokenLogprobs
-from prefixcache.services.scheduler.kv_cache import KVCacheManager
-from prefixcache.services.scheduler.request import EngineRequest
-from prefixcache.services.scheduler.scheduler import Scheduler, SchedulerConfig
+from prefixcache.block_identity.hashing import BlockHasher
+from prefixcache.scheduler.kv_cache import KVCacheManager
+from prefixcache.scheduler.policy import Scheduler, SchedulerConfig
+from prefixcache.scheduler.request import EngineRequest
+from prefixcache.step.messages import SamplingParams, StepOutput, TokenLogprobs
 
 BLOCK = 4
 EOS = 2

@@ -11,14 +11,13 @@ from collections import deque
 from dataclasses import dataclass
 
 import pytest
-
-from prefixcache.services.common.block_identity import BlockHasher
-from prefixcache.services.common.step import SamplingParams, SchedulerStep
-from prefixcache.services.scheduler.kv_cache import KVCacheManager
-from prefixcache.services.scheduler.request import EngineRequest
-from prefixcache.services.scheduler.scheduler import Scheduler, SchedulerConfig
-
 from sim_worker import SimulatedWorker, reference_generation
+
+from prefixcache.block_identity.hashing import BlockHasher
+from prefixcache.scheduler.kv_cache import KVCacheManager
+from prefixcache.scheduler.policy import Scheduler, SchedulerConfig
+from prefixcache.scheduler.request import EngineRequest
+from prefixcache.step.messages import SamplingParams, SchedulerStep
 
 BLOCK = 4
 VOCAB = 1000

@@ -13,14 +13,14 @@ from pathlib import Path
 import torch
 import transformers
 
-from prefixcache.services.common.step import (
+from prefixcache.step.messages import (
     CachedRequestData,
     NewRequestData,
     SamplingParams,
     SchedulerStep,
     StepOutput,
 )
-from prefixcache.services.worker.model_runner import ModelRunner
+from prefixcache.worker.model_runner import ModelRunner
 
 
 @dataclass

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixcache.services.worker.kv_memory import cgroup_memory_headroom, free_device_memory, kv_cache_budget_bytes
+from prefixcache.worker.kv_memory import cgroup_memory_headroom, free_device_memory, kv_cache_budget_bytes
 
 
 @pytest.mark.parametrize(

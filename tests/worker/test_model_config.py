@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from prefixcache.services.worker.model_config import ModelConfig
+from prefixcache.worker.model_config import ModelConfig
 
 BASE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "vocab_size": 100, "max_position_embeddings": 32768, "eos_token_id": 2}

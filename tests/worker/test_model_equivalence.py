@@ -19,9 +19,10 @@ from runner_harness import (
     save_tiny_checkpoint,
 )
 
-from prefixcache.kernels import AttentionMetadata, torch_attention
-from prefixcache.kernels.native_cpu import DISABLE_ENV, native_cpu_kernels
-from prefixcache.services.worker.model_runner import ModelRunner
+from prefixcache.kernels import AttentionMetadata
+from prefixcache.kernels.cpu import attention as cpu_attention
+from prefixcache.kernels.cpu.native import DISABLE_ENV, native_cpu_kernels
+from prefixcache.worker.model_runner import ModelRunner
 
 LOGITS_TOLERANCE = 1e-3
 NUM_GENERATED = 32
@@ -156,10 +157,10 @@ def test_tiny_checkpoint_greedy_matches_transformers_through_cascade_attention(t
     short prompts, it must change nothing."""
     model_dir, reference = tiny_model
     cascades = []
-    attend_cascade = torch_attention._attend_cascade
-    monkeypatch.setattr(torch_attention, "MIN_CASCADE_SAVED_POSITIONS", 1)
-    monkeypatch.setattr(torch_attention, "MIN_NATIVE_CASCADE_SAVED_POSITIONS", 1)
-    monkeypatch.setattr(torch_attention, "_attend_cascade",
+    attend_cascade = cpu_attention._attend_cascade
+    monkeypatch.setattr(cpu_attention, "MIN_CASCADE_SAVED_POSITIONS", 1)
+    monkeypatch.setattr(cpu_attention, "MIN_NATIVE_CASCADE_SAVED_POSITIONS", 1)
+    monkeypatch.setattr(cpu_attention, "_attend_cascade",
                         lambda *args: cascades.append(args[3]) or attend_cascade(*args))
     runner = ModelRunner(model_dir, attention_backend="torch")
     prompts = sample_prompts(runner.config.vocab_size)

@@ -7,17 +7,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from runner_harness import HandScheduler, save_tiny_checkpoint
+from safetensors.torch import save_file
 
-from prefixcache.services.common.step import (
+from prefixcache.step.messages import (
     CachedRequestData,
     NewRequestData,
     SamplingParams,
     SchedulerStep,
 )
-from prefixcache.services.worker.loader import weight_files
-from prefixcache.services.worker.model_runner import ModelRunner
+from prefixcache.worker.loader import weight_files
+from prefixcache.worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 4
 
@@ -239,7 +239,7 @@ def test_an_adapter_file_beside_model_safetensors_is_not_read_as_weights(tiny_di
 def test_loading_reports_progress_a_line_per_quarter(tmp_path: Path) -> None:
     import io
 
-    from prefixcache.services.worker.loader import load_model
+    from prefixcache.worker.loader import load_model
 
     model_dir = save_tiny_checkpoint("qwen2", tmp_path / "sharded", max_shard_size="100KB")
     progress = io.StringIO()  # not a terminal: whole lines, no redrawing

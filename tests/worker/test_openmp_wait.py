@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from prefixcache.services.worker.openmp_wait import GOMP_SPINCOUNT
+from prefixcache.worker.openmp_wait import GOMP_SPINCOUNT
 
 
 def _run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -22,7 +22,7 @@ def _python(code: str, **env: str) -> str:
 def test_set_before_torch_is_imported() -> None:
     out = _python(
         "import os\n"
-        "from prefixcache.services.worker.openmp_wait import configure_openmp_wait\n"
+        "from prefixcache.worker.openmp_wait import configure_openmp_wait\n"
         "print(configure_openmp_wait(), os.environ['GOMP_SPINCOUNT'])\n"
     )
     assert out == f"True {GOMP_SPINCOUNT}"
@@ -31,7 +31,7 @@ def test_set_before_torch_is_imported() -> None:
 def test_the_operators_value_wins() -> None:
     out = _python(
         "import os\n"
-        "from prefixcache.services.worker.openmp_wait import configure_openmp_wait\n"
+        "from prefixcache.worker.openmp_wait import configure_openmp_wait\n"
         "print(configure_openmp_wait(), os.environ['GOMP_SPINCOUNT'])\n",
         GOMP_SPINCOUNT="12345",
     )
@@ -41,7 +41,7 @@ def test_the_operators_value_wins() -> None:
 def test_too_late_once_torch_is_imported() -> None:
     out = _python(
         "import os, torch\n"
-        "from prefixcache.services.worker.openmp_wait import configure_openmp_wait\n"
+        "from prefixcache.worker.openmp_wait import configure_openmp_wait\n"
         "print(configure_openmp_wait(), os.environ.get('GOMP_SPINCOUNT'))\n"
     )
     assert out == "False None"
@@ -52,7 +52,7 @@ def test_the_worker_command_sets_it_first() -> None:
     # what the model load would see.
     done = _run_python(
         "import os\n"
-        "from prefixcache.services.cli.main import build_parser\n"
+        "from prefixcache.cli.main import build_parser\n"
         "args = build_parser(['worker']).parse_args(['worker', '--kv-cache-memory', 'lots'])\n"
         "print(args.run(args), os.environ.get('GOMP_SPINCOUNT'))\n"
     )

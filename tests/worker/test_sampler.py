@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from prefixcache.services.common.step import SamplingParams
-from prefixcache.services.worker.sampler import make_generator, sample, validate_sampling
+from prefixcache.step.messages import SamplingParams
+from prefixcache.worker.sampler import make_generator, sample, validate_sampling
 
 # Probabilities 0.5, 0.25, 0.125, 0.0625, then the rest spread over 96 tokens.
 PROBABILITIES = torch.tensor([0.5, 0.25, 0.125, 0.0625] + [0.0625 / 96] * 96)

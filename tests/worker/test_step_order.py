@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from prefixcache.services.worker.step_order import StepOrder, StepOutOfOrder
+from prefixcache.worker.step_order import StepOrder, StepOutOfOrder
 
 
 def test_a_step_that_arrives_before_the_one_it_follows_begins_after_it():

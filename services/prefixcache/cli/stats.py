@@ -1,0 +1,31 @@
+"""`prefixcache stats [--json]`: the engine's prefix-cache counters and KV pool occupancy."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from prefixcache.cli.client_args import add_target, report_rpc_errors
+from prefixcache.client import EngineClient
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_target(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    async def main() -> int:
+        async with EngineClient(args.target) as engine:
+            stats = await engine.cache_stats()
+        fields: dict[str, object] = {field.name: getattr(stats, field.name) for field in stats.DESCRIPTOR.fields}
+        fields["hit_rate"] = stats.hit_tokens / stats.query_tokens if stats.query_tokens else 0.0
+        if args.json:
+            print(json.dumps(fields))
+        else:
+            width = max(map(len, fields))
+            for name, value in fields.items():
+                shown = f"{value:.3f}" if isinstance(value, float) else value
+                print(f"{name:<{width}}  {shown}")
+        return 0
+
+    return report_rpc_errors(main)

@@ -1,0 +1,53 @@
+"""Client channels shared by the services and the CLI: tracing, message limits, fast reconnects."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from prefixcache.rpc.server import CHANNEL_OPTIONS
+from prefixcache.rpc.tracing import client_interceptors
+
+# gRPC's default reconnect backoff grows to two minutes; a restarted peer on loopback should be
+# found again within a second.
+RECONNECT_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
+
+def open_channel(target: str) -> aio.Channel:
+    """An insecure channel to `target` (HOST:PORT) that propagates the trace context."""
+    return aio.insecure_channel(
+        target, options=[*CHANNEL_OPTIONS, *RECONNECT_OPTIONS], interceptors=client_interceptors()
+    )
+
+
+async def is_serving(channel: aio.Channel, service: str = "", timeout_s: float = 1.0) -> bool:
+    stub = health_pb2_grpc.HealthStub(channel)
+    try:
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+    except grpc.RpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def wait_until_serving(target: str, timeout_s: float, service: str = "") -> None:
+    """Poll the health service of `target` until it reports SERVING; TimeoutError otherwise."""
+    deadline = time.monotonic() + timeout_s
+    async with open_channel(target) as channel:
+        while not await is_serving(channel, service):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{target} not serving after {timeout_s:.0f} s")
+            await asyncio.sleep(0.1)
+
+
+def status_of(error: grpc.RpcError) -> tuple[grpc.StatusCode, str]:
+    """The status code and message of a failed call (sync and asyncio errors alike)."""
+    code = getattr(error, "code", None)
+    details = getattr(error, "details", None)
+    return (code() if callable(code) else grpc.StatusCode.UNKNOWN, details() if callable(details) else str(error))

@@ -1,0 +1,144 @@
+"""The scheduler service: the public Engine API, with the KV cache manager, over a remote worker.
+
+`prefixcache scheduler --port 50051 --tokenizer HOST:PORT --worker HOST:PORT [--block-size 16]
+[--hash-algo sha256] [--no-prefix-caching] [--max-num-seqs 32] ...`. Health says SERVING once the
+worker has initialized its KV cache for our block size (the worker may start later: we keep trying).
+While a lost worker is being replaced, the Engine service's health says NOT_SERVING (the process's,
+"", stays SERVING, so a liveness probe does not restart a healthy scheduler).
+On SIGTERM, new requests are refused while in-flight ones get the grace period to finish.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from grpc_health.v1 import health_pb2
+from grpc_health.v1.health import aio as health_aio
+
+from prefixcache.arg_types import block_size, listen_port
+from prefixcache.block_identity.hashing import HASH_ALGOS
+from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
+from prefixcache.rpc.server import Servicer, configure_logging, run_server
+from prefixcache.rpc.tracing import SpanRegistry
+from prefixcache.scheduler.engine_core import EngineCore, SchedulerConfig, WorkerUnavailable
+from prefixcache.scheduler.engine_service import SERVICE_NAME, EngineServicer
+from prefixcache.scheduler.tokenizer_client import TokenizerClient
+from prefixcache.scheduler.worker_client import GrpcStepExecutor
+
+log = logging.getLogger(__name__)
+STARTUP_RETRY_S = 0.5
+ABORTED_STREAMS_CLOSE_S = 2.0  # how long streams aborted at the end of the grace get to send their last response
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = SchedulerConfig()
+    parser.add_argument("--port", type=listen_port, default=50051, help="Engine API port")
+    parser.add_argument("--host", default="[::]", help="address to bind (default: all interfaces)")
+    parser.add_argument("--tokenizer", required=True, metavar="HOST:PORT", help="tokenizer service")
+    parser.add_argument("--worker", required=True, metavar="HOST:PORT", help="worker service")
+    parser.add_argument("--block-size", type=block_size, default=defaults.block_size,
+                        help="tokens per KV block (a power of two)")
+    parser.add_argument("--hash-algo", choices=HASH_ALGOS, default=defaults.hash_algo, help="block hash algorithm")
+    parser.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
+                        help="turn automatic prefix caching off (the second spelling is vLLM's)")
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="requests per step at most")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens, help="token budget per step"
+    )
+    parser.add_argument("--max-waiting", type=int, default=defaults.max_waiting, help="waiting requests at most")
+    parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len, help="prompt + output at most")
+    parser.add_argument("--schedule-ahead", action=argparse.BooleanOptionalAction, default=defaults.schedule_ahead,
+                        help="send a decode step while the one before it runs (default: on)")
+    parser.add_argument("--metrics-port", type=listen_port, default=None, help="serve Prometheus metrics on this port")
+    parser.add_argument("--grace", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
+    return SchedulerConfig(
+        block_size=args.block_size,
+        hash_algo=args.hash_algo,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_waiting=args.max_waiting,
+        max_model_len=args.max_model_len,
+        schedule_ahead=args.schedule_ahead,
+    )
+
+
+async def serve(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ValueError as error:
+        log.error("%s", error)
+        return 2
+    request_spans = SpanRegistry()
+    executor = GrpcStepExecutor(args.worker, request_spans=request_spans)
+    tokenizer = TokenizerClient(args.tokenizer)
+    engine = EngineCore(config, executor)
+    servicer = EngineServicer(engine, tokenizer, request_spans=request_spans)
+    health = health_aio.HealthServicer()
+
+    async def publish_worker_availability(available: bool) -> None:
+        # The Engine service, not the process: liveness ("") stays SERVING while a worker restarts.
+        status = health_pb2.HealthCheckResponse.SERVING if available else health_pb2.HealthCheckResponse.NOT_SERVING
+        await health.set(SERVICE_NAME, status)
+
+    engine.on_worker_availability = publish_worker_availability
+
+    async def start_engine() -> None:
+        # Metrics first: a port that is taken fails the start at once, not after the worker's model
+        # has loaded, and the counters can be scraped while the scheduler waits for the worker.
+        if args.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            address = metrics_address(args.host)
+            try:
+                start_http_server(args.metrics_port, addr=address, registry=engine.metrics.registry)
+            except OSError as error:
+                raise RuntimeError(f"cannot serve metrics on {address}:{args.metrics_port} (--metrics-port): "
+                                   f"{error.strerror or error}") from None
+        while True:
+            try:
+                await engine.start()
+                break
+            except WorkerUnavailable as error:
+                log.info("waiting for the worker: %s", error)
+                await asyncio.sleep(STARTUP_RETRY_S)
+        info = engine.worker_info
+        log.info("engine ready: %s, %d KV blocks of %d tokens", info.model_id, info.num_kv_blocks, config.block_size)
+
+    async def stop_engine(grace_s: float) -> None:
+        deadline = asyncio.get_running_loop().time() + grace_s
+        await engine.shutdown(grace_s)
+        # Streams aborted at the deadline still send their final response: give them a moment.
+        remaining = max(deadline - asyncio.get_running_loop().time(), ABORTED_STREAMS_CLOSE_S)
+        if not await servicer.wait_generate_calls_done(remaining):
+            log.warning("Generate calls still open after the grace period; closing anyway")
+        await tokenizer.close()
+        await executor.close()
+
+    registration = Servicer(SERVICE_NAME, lambda server: pb_grpc.add_EngineServicer_to_server(servicer, server))
+    return await run_server(
+        "prefixcache-scheduler",
+        f"{args.host}:{args.port}",
+        [registration],
+        grace_s=args.grace,
+        startup=start_engine,
+        shutdown=stop_engine,
+        health=health,
+    )
+
+
+def metrics_address(engine_host: str) -> str:
+    """Where /metrics listens: beside the Engine API on a specific address (loopback stays loopback),
+    on every IPv4 interface where the Engine API takes all (as Prometheus scrapes a pod's IP)."""
+    host = engine_host.strip("[]")
+    return "0.0.0.0" if host in ("", "::", "0.0.0.0") else host
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level)
+    return asyncio.run(serve(args))

@@ -1,0 +1,109 @@
+"""The tokenizer service: `prefixcache tokenizer --port 50053 [--model-dir DIR]`.
+
+Imports no torch: the tokenizer image installs only the `tokenizer` extra.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+from grpc import aio
+
+from prefixcache.arg_types import listen_port
+from prefixcache.protos.tokenizer.v1 import tokenizer_pb2 as pb
+from prefixcache.protos.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
+from prefixcache.rpc.server import Servicer, configure_logging, run_server
+from prefixcache.tokenizer.text import ChatTemplateError, ChatTurn, IncrementalDetokenizer, TextTokenizer
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tokenizer"].full_name
+
+log = logging.getLogger(__name__)
+
+
+class TokenizerServicer(pb_grpc.TokenizerServicer):
+    def __init__(self, tokenizer: TextTokenizer):
+        self._tokenizer = tokenizer
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: aio.ServicerContext) -> pb.TokenizeResponse:
+        kind = request.WhichOneof("input")
+        if kind == "text":
+            ids = self._tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+        elif kind == "chat":
+            turns = [ChatTurn(m.role, m.content) for m in request.chat.messages]
+            try:
+                ids = self._tokenizer.encode_chat(turns, request.chat.add_generation_prompt)
+            except ChatTemplateError as error:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        else:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "input: set text or chat")
+        return pb.TokenizeResponse(token_ids=ids, tokenizer_id=self._tokenizer.tokenizer_id)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context: aio.ServicerContext) -> pb.DetokenizeResponse:
+        try:
+            text = self._tokenizer.decode(request.token_ids, request.skip_special_tokens)
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        return pb.DetokenizeResponse(text=text)
+
+    async def DetokenizeStream(
+        self, requests: AsyncIterator[pb.DetokenizeStreamRequest], context: aio.ServicerContext
+    ) -> AsyncIterator[pb.DetokenizeStreamResponse]:
+        detokenizer: IncrementalDetokenizer | None = None
+        async for request in requests:
+            try:
+                if detokenizer is None:
+                    detokenizer = IncrementalDetokenizer(
+                        self._tokenizer, request.prefix_token_ids, request.skip_special_tokens
+                    )
+                text = detokenizer.push(request.token_ids, last=request.last)
+            except ValueError as error:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            yield pb.DetokenizeStreamResponse(text=text, tokenizer_id=self._tokenizer.tokenizer_id)
+
+    async def GetInfo(self, request: pb.GetInfoRequest, context: aio.ServicerContext) -> pb.TokenizerInfo:
+        return pb.TokenizerInfo(
+            vocab_size=self._tokenizer.vocab_size,
+            bos_token_id=self._tokenizer.bos_token_id,
+            eos_token_ids=self._tokenizer.eos_token_ids,
+            has_chat_template=self._tokenizer.has_chat_template,
+            tokenizer_id=self._tokenizer.tokenizer_id,
+        )
+
+
+def servicer(tokenizer: TextTokenizer) -> Servicer:
+    instance = TokenizerServicer(tokenizer)
+    return Servicer(SERVICE_NAME, lambda server: pb_grpc.add_TokenizerServicer_to_server(instance, server))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--port", type=listen_port, default=50053, help="port to listen on (0: any free port)")
+    parser.add_argument("--host", default="[::]", help="address to bind (default: all interfaces)")
+    parser.add_argument("--model-dir", type=Path, help="model directory with tokenizer.json (default: the embedded model)")
+    parser.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on SIGTERM")
+    parser.add_argument("--drain-idle", type=float, default=0.0,
+                        help="on SIGTERM: keep serving new calls until none has been in flight for this long "
+                             "(for a tokenizer with a single scheduler; 0, the default: refuse new calls at once, "
+                             "so that a scheduler's next calls go to another replica)")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_level)
+    model_dir = args.model_dir
+    if model_dir is None:
+        from prefixcache.model_store.store import ensure_default_model
+
+        model_dir = ensure_default_model()
+    try:
+        tokenizer = TextTokenizer(model_dir)
+    except Exception as error:  # a missing or malformed file; `tokenizers` raises plain Exceptions
+        log.error("cannot load the tokenizer from %s: %s", model_dir, error)
+        return 1
+    return asyncio.run(
+        run_server("prefixcache-tokenizer", f"{args.host}:{args.port}", [servicer(tokenizer)], grace_s=args.grace,
+                   drain_idle_s=args.drain_idle)
+    )
