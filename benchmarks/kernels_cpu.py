@@ -15,7 +15,7 @@ import torch
 from attention_cases import CASES, dense_sdpa, make_inputs, median_ms, print_table
 
 from prefixcache.kernels import TorchAttentionBackend, get_attention_backend, paged_attention_reference
-from prefixcache.kernels.cpu.attention import TorchAttentionPlan
+from prefixcache.kernels.cpu.attention_plan import TorchAttentionPlan
 from prefixcache.kernels.cpu.native import native_cpu_kernels
 
 

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from prefixcache.launcher import free_port
-from prefixcache.scheduler.engine_core import WorkerUnavailable
+from prefixcache.scheduler.engine import WorkerUnavailable
 from prefixcache.scheduler.worker_client import GrpcStepExecutor
 from prefixcache.step.messages import CachedRequestData, NewRequestData, SchedulerStep
 

@@ -34,19 +34,19 @@ from prefixcache.rpc.fork_handlers import turn_off_grpc_fork_handlers
 
 turn_off_grpc_fork_handlers()  # before grpc is imported: this process starts local services
 
+from side_by_side import ComparedSystem, render_systems, run_interleaved
+
 from prefixcache.bench.engine import EngineEndpoint
 from prefixcache.bench.local_platform import LocalSettings
 from prefixcache.bench.metrics import RequestRecord, RunSummary, ratio
-from prefixcache.bench.report import CACHE, NO_CACHE, WorkloadResult, render_systems
+from prefixcache.bench.report import CACHE, NO_CACHE, WorkloadResult
 from prefixcache.bench.session import (
     BenchConfig,
     BenchOutcome,
-    ComparedSystem,
     check_comparable,
     check_mode,
     engine_target,
     plan_workloads,
-    run_interleaved,
     warm_up,
 )
 from prefixcache.bench.workloads import BenchRequest, IntRange, WorkloadOptions
@@ -115,7 +115,7 @@ async def run_all(config: BenchConfig, dtype: str) -> tuple[dict[str, object], d
             targets[mode] = await stack.enter_async_context(engine_target(config, mode))
         engines = {mode: await stack.enter_async_context(EngineEndpoint(target, config.request_timeout_s))
                    for mode, (target, _) in targets.items()}
-        facts = {mode: check_mode(mode, await engine.describe(), targets[mode][0]) for mode, engine in engines.items()}
+        facts = {mode: check_mode(mode, await engine.facts(), targets[mode][0]) for mode, engine in engines.items()}
         check_comparable(facts[CACHE], facts[NO_CACHE], targets[NO_CACHE][0])
         outcome = BenchOutcome({name: WorkloadResult() for name in config.workloads})
         plan_workloads(config, facts[CACHE], outcome, note=_note)

@@ -45,19 +45,13 @@ from prefixcache.rpc.fork_handlers import turn_off_grpc_fork_handlers
 
 turn_off_grpc_fork_handlers()  # before grpc is imported: this process starts local services
 
+from side_by_side import ComparedSystem, render_systems, run_interleaved
+
 from prefixcache.bench.engine import EngineEndpoint
 from prefixcache.bench.local_platform import LocalSettings, local_platform
 from prefixcache.bench.metrics import RequestRecord, RunSummary
-from prefixcache.bench.report import WorkloadResult, render_systems
-from prefixcache.bench.session import (
-    BenchConfig,
-    BenchOutcome,
-    ComparedSystem,
-    parse_workloads,
-    plan_workloads,
-    run_interleaved,
-    warm_up,
-)
+from prefixcache.bench.report import WorkloadResult
+from prefixcache.bench.session import BenchConfig, BenchOutcome, parse_workloads, plan_workloads, warm_up
 from prefixcache.bench.workloads import BenchRequest, IntRange, WorkloadOptions
 from prefixcache.cli.bench import int_range_argument
 from prefixcache.launcher import free_port
@@ -192,7 +186,7 @@ async def compare(config: BenchConfig, our_target: str, theirs: VllmEndpoint
     then workload."""
     async with EngineEndpoint(our_target, config.request_timeout_s) as ours:
         outcome = BenchOutcome({name: WorkloadResult() for name in config.workloads})
-        plan_workloads(config, await ours.describe(), outcome, note=_note)
+        plan_workloads(config, await ours.facts(), outcome, note=_note)
         for endpoint in (ours, theirs):
             await warm_up(endpoint, outcome.options, config.warmup_requests)
         # Our own platform starts each workload empty; a --target engine is someone's to keep (fresh

@@ -1,4 +1,5 @@
-"""Helpers of the platform e2e tests: start and stop a local platform, one event loop, idle polling."""
+"""Helpers of the platform e2e tests: start and stop a local platform, restart its worker, one event loop,
+idle polling."""
 from __future__ import annotations
 
 import asyncio
@@ -60,6 +61,12 @@ def stop_platform(platform: LocalPlatform) -> None:
     assert statuses == {"scheduler": 0, "worker": 0, "tokenizer": 0}, (
         f"{statuses}\n" + "\n".join(f"--- {s.name}\n{s.log_tail()}" for s in platform.services)
     )
+
+
+def restart_worker(platform: LocalPlatform) -> None:
+    """Start the worker again on the same port (after it died or was killed)."""
+    platform.worker.kill()
+    platform.worker.start()
 
 
 def scrape_metrics(platform: LocalPlatform) -> dict[str, float]:

@@ -119,7 +119,8 @@ def test_logprobs_without_json_is_refused_before_any_call() -> None:
 def test_a_failed_call_exits_non_zero_with_the_status(target: str) -> None:
     result = prefixcache("generate", "hi", "--target", target, "--lora-adapter", "sql")
     assert result.returncode == 1
-    assert result.stderr.strip() == "error: INVALID_ARGUMENT: lora_adapter: unknown adapter 'sql' (available: none)"
+    assert result.stderr.strip() == ("error: UNIMPLEMENTED: lora_adapter: 'sql': LoRA adapters are not served; "
+                                     "leave it empty for the base model")
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """`prefixcache serve --demo`, the README's first command: three processes, two requests, a cache hit."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -11,11 +12,11 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
 import pytest
+from platform_harness import run
 
+from prefixcache.client import EngineClient
 from prefixcache.launcher import free_port
-from prefixcache.protos.engine.v1 import engine_pb2, engine_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -120,12 +121,14 @@ def _generate_in_background(port: int, max_tokens: int) -> subprocess.Popen:
 def _wait_until_running(port: int, timeout_s: float = 120) -> None:
     """Until the engine runs a request. (A fixed sleep could end, on a loaded machine, before the
     client process has even sent it; a stop signal then refuses it instead of letting it finish.)"""
-    deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        get_stats = engine_pb2_grpc.EngineStub(channel).GetCacheStats
-        while get_stats(engine_pb2.GetCacheStatsRequest(), timeout=30).running_requests == 0:
-            assert time.monotonic() < deadline, "the request never started running"
-            time.sleep(0.05)
+    async def main() -> None:
+        deadline = time.monotonic() + timeout_s
+        async with EngineClient(f"127.0.0.1:{port}") as engine:
+            while (await engine.cache_stats()).running_requests == 0:
+                assert time.monotonic() < deadline, "the request never started running"
+                await asyncio.sleep(0.05)
+
+    run(main())
 
 
 def _session_processes(session_id: int) -> list[str]:

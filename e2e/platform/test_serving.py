@@ -149,7 +149,6 @@ BAD_REQUESTS = {
     "top_p zero": (dict(text="hi", top_p=0.0), "sampling.top_p"),
     "top_p above one": (dict(text="hi", top_p=1.5), "sampling.top_p"),
     "more than 20 logprobs": (dict(text="hi", logprobs=21), "sampling.logprobs"),
-    "unknown LoRA adapter": (dict(text="hi", lora_adapter="nope"), "lora_adapter"),
     "empty cache salt": (dict(text="hi", cache_salt=""), "cache_salt"),
     "empty tenant": (dict(text="hi", tenant=""), "tenant"),
     "no chat messages": (dict(messages=[]), "chat.messages"),
@@ -173,15 +172,19 @@ def test_bad_input_is_invalid_argument_and_the_server_still_serves(target: str, 
     assert run(main()).usage.completion_tokens == 2
 
 
-def test_multimodal_items_for_a_text_only_model(target: str) -> None:
+@pytest.mark.parametrize("field", ["lora_adapter", "multimodal_items"])
+def test_lora_adapters_and_multimodal_items_are_unimplemented(target: str, field: str) -> None:
     async def main() -> None:
         async with EngineClient(target) as engine:
             request = build_request(token_ids=[1, 2, 3], max_tokens=2)
-            request.multimodal_items.add(content_hash="ab" * 32, offset=0, length=2)
+            if field == "lora_adapter":
+                request.lora_adapter = "sql"
+            else:
+                request.multimodal_items.add(content_hash="ab" * 32, offset=0, length=2)
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await engine.complete(request, timeout_s=60)
-            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert error.value.details().startswith("multimodal_items:")
+            assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            assert error.value.details().startswith(f"{field}:")
 
     run(main())
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from platform_harness import run, scrape_metrics, start_platform, stop_platform
+from platform_harness import restart_worker, run, scrape_metrics, start_platform, stop_platform
 from platform_prompts import question, shared_prefix
 
 from prefixcache.client import Completion, EngineClient, build_request
@@ -65,7 +65,7 @@ def test_worker_killed_mid_stream_then_restarted(platform: LocalPlatform, target
             if "--no-schedule-ahead" not in platform.config.scheduler_args:  # the loss found steps sent ahead
                 assert scrape_metrics(platform)["prefixcache_steps_scheduled_ahead_total"] > 0
 
-            platform.restart_worker()
+            restart_worker(platform)
             after = await complete_when_back(engine, warm)
             assert after.usage.cached_tokens == 0  # the KV memory died with the worker
             assert after.cache_account.miss_reason == "cold"
@@ -107,7 +107,7 @@ def test_worker_killed_before_the_first_token_and_not_back(platform: LocalPlatfo
                 assert "worker was lost" in error.value.details()
                 assert time.monotonic() - started < 10  # not held for the worker's return
             finally:
-                platform.restart_worker()  # the later tests need it, whatever happened here
+                restart_worker(platform)  # the later tests need it, whatever happened here
             after = await complete_when_back(engine, build_request(token_ids=prompt[:64], max_tokens=2))
             assert after.usage.cached_tokens == 0
 

@@ -202,11 +202,6 @@ class LocalPlatform:
             statuses[service.name] = service.wait(timeout_s)
         return statuses
 
-    def restart_worker(self) -> None:
-        """Start the worker again on the same port (after it died or was killed)."""
-        self.worker.kill()
-        self.worker.start()
-
 
 def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)

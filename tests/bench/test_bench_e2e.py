@@ -10,14 +10,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import grpc
 import pytest
 
 from prefixcache.bench.local_platform import LocalSettings, local_platform
 from prefixcache.bench.session import BenchConfig, run_session
 from prefixcache.bench.workloads import IntRange, WorkloadOptions
 from prefixcache.cli import main as cli
-from prefixcache.protos.engine.v1 import engine_pb2, engine_pb2_grpc
+from prefixcache.client import EngineClient
 
 pytestmark = pytest.mark.slow
 
@@ -45,16 +44,24 @@ def engines():
     loop.close()
 
 
+def on_engine(target, call):
+    """`call(client)` on a client of the Engine at `target`, e.g. `on_engine(target, EngineClient.cache_stats)`."""
+
+    async def main():
+        async with EngineClient(target) as engine:
+            return await call(engine)
+
+    return asyncio.run(main())
+
+
 def cache_stats(target):
-    with grpc.insecure_channel(target) as channel:
-        return engine_pb2_grpc.EngineStub(channel).GetCacheStats(engine_pb2.GetCacheStatsRequest(), timeout=30)
+    return on_engine(target, EngineClient.cache_stats)
 
 
 def run_one(target, workload, options):
     config = BenchConfig(workloads=(workload,), options=options, concurrency=1, target=target,
                          reset_between_workloads=False, warmup_requests=0, show_progress=False)
-    with grpc.insecure_channel(target) as channel:  # an empty cache; the reset itself is not counted below
-        assert engine_pb2_grpc.EngineStub(channel).ResetPrefixCache(engine_pb2.ResetPrefixCacheRequest()).reset
+    assert on_engine(target, EngineClient.reset_prefix_cache)  # an empty cache; the reset itself is not counted below
     before = cache_stats(target)
     outcome = asyncio.run(run_session(config))
     after = cache_stats(target)

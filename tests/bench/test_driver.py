@@ -21,7 +21,7 @@ import pytest
 from prefixcache.bench.driver import TenantSalts, drive
 from prefixcache.bench.engine import EngineEndpoint
 from prefixcache.bench.metrics import summarize
-from prefixcache.bench.session import BenchConfig, BenchOutcome, ComparedSystem, run_interleaved, run_session
+from prefixcache.bench.session import BenchConfig, BenchOutcome, run_session
 from prefixcache.bench.workloads import IntRange, WorkloadOptions, generate
 from prefixcache.cli import main as cli
 from prefixcache.protos.engine.v1 import engine_pb2, engine_pb2_grpc
@@ -157,47 +157,6 @@ def test_a_refused_cache_reset_is_reported(engine_server):
     asyncio.run(run_session(config, note=notes.append))
     assert [note.split(":")[1].split("(")[0].strip() for note in notes] == ["unique", "few-shot"]
     assert all("refused to reset its prefix cache" in note for note in notes)
-
-
-class TimelineEngine(RecordingEngine):
-    """A RecordingEngine that also notes each request it starts on a timeline shared with others."""
-
-    def __init__(self, name: str, timeline: list[tuple[str, str]]):
-        super().__init__()
-        self.name, self.timeline = name, timeline
-
-    def Generate(self, request, context):
-        self.timeline.append((self.name, request.request_id.split("-", 2)[2]))
-        yield from super().Generate(request, context)
-
-
-def test_interleaved_systems_take_turns_going_first():
-    """Each workload runs through every system before the next one starts, the system that goes first
-    rotating; each system keeps its own concurrency; an owned engine is reset before each workload,
-    and a refusal is noted."""
-    timeline: list[tuple[str, str]] = []
-    servicers = [TimelineEngine("first", timeline), TimelineEngine("second", timeline)]
-    servicers[0].refuse_reset = True
-    workloads = ("unique", "few-shot", "shared-system-prompt")
-    requests = {name: generate(name, replace(OPTIONS, num_requests=3)) for name in workloads}
-    notes: list[str] = []
-
-    async def main(first_target: str, second_target: str) -> dict:
-        async with EngineEndpoint(first_target) as first, EngineEndpoint(second_target) as second:
-            systems = [ComparedSystem("first", first, concurrency=3, owned_engine=first),
-                       ComparedSystem("second", second, concurrency=1)]
-            return await run_interleaved(requests, systems, tenants=1, note=notes.append)
-
-    with serving(servicers[0]) as first_target, serving(servicers[1]) as second_target:
-        summaries = asyncio.run(main(first_target, second_target))
-    runs = [(system, request_id.rsplit("-", 1)[0]) for system, request_id in timeline]
-    assert [runs[i] for i in range(0, len(runs), 3)] == [
-        ("first", "unique"), ("second", "unique"), ("second", "few-shot"), ("first", "few-shot"),
-        ("first", "shared-system-prompt"), ("second", "shared-system-prompt")]
-    assert all(runs[i] == runs[i - i % 3] for i in range(len(runs)))  # one system and workload at a time
-    assert all(summaries[system][name].completed == 3 for system in ("first", "second") for name in workloads)
-    assert servicers[0].most_in_flight == 3 and servicers[1].most_in_flight == 1
-    assert notes == [f"first refused to reset its prefix cache before {name}" for name in workloads]
 
 
 def test_poisson_arrivals_are_respected(engine_server):

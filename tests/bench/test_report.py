@@ -5,7 +5,7 @@ import json
 import pytest
 
 from prefixcache.bench.metrics import RequestRecord, summarize
-from prefixcache.bench.report import ProgressBar, WorkloadResult, render_systems, render_table, to_json
+from prefixcache.bench.report import ProgressBar, WorkloadResult, render_table, to_json
 
 
 def run(ttft, finished, cached, reason):
@@ -32,14 +32,6 @@ def test_table_shows_both_modes_and_ratio():
 def test_table_with_one_mode_has_no_ratio_column():
     text = render_table({"unique": WorkloadResult({"cache": SLOW})})
     assert "cache/no cache" not in text and rows(text)["TTFT p50 (ms)"][-1] == "800.0"
-
-
-def test_systems_table_divides_by_the_baseline():
-    text = render_systems({"vllm": {"few-shot": SLOW}, "prefixcache": {"few-shot": FAST}}, baseline="vllm")
-    assert "prefixcache / vllm" in text.splitlines()[0]
-    assert rows(text)["output tokens/s"][-3:] == ["1.0", "4.0", "4.00x"]
-    with pytest.raises(ValueError, match="baseline"):
-        render_systems({"vllm": {}}, baseline="sglang")
 
 
 def test_json_document_has_modes_and_ratios():

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from prefixcache.kernels import AttentionMetadata, paged_attention_reference, reshape_and_cache_reference
 from prefixcache.kernels.backends import triton_runs_interpreted
-from prefixcache.kernels.cpu.native import NativeCpuKernels, native_cpu_kernels
 
 INTERPRETED = not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -91,6 +91,18 @@ class PagedBatch:
     @property
     def scale(self) -> float:
         return self.query.shape[-1] ** -0.5
+
+    def write_new_kv(self) -> AttentionMetadata:
+        """The step's metadata, with this step's keys and values written into the cache (by the reference)."""
+        meta = AttentionMetadata.build(self.query_lens, self.seq_lens, self.block_tables, self.block_size,
+                                       self.query.device)
+        reshape_and_cache_reference(self.key, self.value, self.key_cache, self.value_cache, meta.slot_mapping)
+        return meta
+
+    def reference_attention(self) -> torch.Tensor:
+        """The plain-torch reference's attention output for this step, on the CPU (call after `write_new_kv`)."""
+        return paged_attention_reference(self.query.cpu(), self.key_cache.cpu(), self.value_cache.cpu(),
+                                         self.query_lens, self.seq_lens, self.block_tables, self.scale)
 
 
 def make_paged_batch(
@@ -152,12 +164,3 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def relative_error() -> Callable[[torch.Tensor, torch.Tensor], float]:
     """||actual - expected|| / ||expected||, in float32 (a fixture so tests need not import this conftest)."""
     return _relative_error
-
-
-@pytest.fixture(scope="session")
-def kernels() -> NativeCpuKernels:
-    """The native CPU kernels, for test modules skipped without AVX-512: on a CPU that has it, a
-    kernel that fails to build fails the test rather than hiding behind torch's fallback."""
-    built = native_cpu_kernels()
-    assert built is not None, "the native kernels did not build on a CPU that runs them (see the log)"
-    return built

@@ -1,17 +1,11 @@
-"""Backend selection and the KV cache allocation helpers."""
+"""Backend selection, and every backend's per-layer calls against the others and the reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from prefixcache.kernels import (
-    allocate_kv_cache,
-    get_attention_backend,
-    kv_cache_bytes_per_block,
-    kv_cache_shape,
-    num_blocks_for_budget,
-)
+from prefixcache.kernels import AttentionMetadata, get_attention_backend
 
 
 @pytest.mark.parametrize("name", [None, "auto"])
@@ -54,23 +48,51 @@ def test_cuda_without_a_gpu_is_a_clear_error():
         get_attention_backend(None, "cuda")
 
 
-def test_kv_cache_shape_and_allocation():
-    assert kv_cache_shape(10, 16, 3, 64) == (10, 16, 3, 64)
-    with pytest.raises(ValueError, match="num_kv_heads"):
-        kv_cache_shape(10, 16, 0, 64)
-    layers = allocate_kv_cache(2, 10, 16, 3, 64, torch.bfloat16, "cpu")
-    assert len(layers) == 2
-    for key_cache, value_cache in layers:
-        assert key_cache.shape == value_cache.shape == (10, 16, 3, 64)
-        assert key_cache.dtype == torch.bfloat16
-        assert key_cache.data_ptr() != value_cache.data_ptr()
-        assert not key_cache.any()  # zeros: no slot can hold NaN
+@pytest.mark.parametrize("queries_per_kv", [1, 3])
+def test_triton_and_torch_backends_agree(triton_kernels, paged_batch, relative_error, device, queries_per_kv):
+    """The full per-layer call sequence of each backend: write this step's K/V, then attend."""
+    batch = paged_batch(
+        [(0, 6), (10, 3), (4, 1), (13, 1)], block_size=4, num_kv_heads=2, queries_per_kv=queries_per_kv, head_dim=16
+    )
+    meta = AttentionMetadata.build(batch.query_lens, batch.seq_lens, batch.block_tables, batch.block_size, device)
+    results = {}
+    for name in ("triton", "torch"):
+        backend = get_attention_backend(name, device)
+        key_cache, value_cache = batch.key_cache.clone(), batch.value_cache.clone()
+        backend.write_kv(batch.key, batch.value, key_cache, value_cache, meta)
+        output = backend.attend(batch.query, batch.key, batch.value, key_cache, value_cache, meta, batch.scale)
+        results[name] = (output, key_cache, value_cache)
+    triton_output, triton_keys, triton_values = results["triton"]
+    torch_output, torch_keys, torch_values = results["torch"]
+    assert torch.equal(triton_keys, torch_keys) and torch.equal(triton_values, torch_values)
+    assert not torch.equal(triton_keys, batch.key_cache)  # the write did happen
+    assert relative_error(triton_output, torch_output) < 1e-5
 
 
-def test_num_blocks_for_budget():
-    # SmolLM2: 30 layers x 16 slots x 3 kv heads x 64 dims x 4 bytes, keys and values.
-    per_block = kv_cache_bytes_per_block(30, 16, 3, 64, torch.float32)
-    assert per_block == 2 * 30 * 16 * 3 * 64 * 4
-    assert num_blocks_for_budget(10 * per_block + per_block - 1, 30, 16, 3, 64, torch.float32) == 10
-    with pytest.raises(ValueError, match="below one block"):
-        num_blocks_for_budget(per_block - 1, 30, 16, 3, 64, torch.float32)
+@pytest.mark.parametrize("backend_name", ["torch", "triton", "reference"])
+def test_blocks_outside_the_tables_are_never_read(request, paged_batch, device, backend_name):
+    """NaN in every block no table holds (block 0, which table padding names, among them) stays out.
+
+    The Triton kernel and the reference read exactly the positions below each sequence's length, so
+    for them NaN also fills the unused tail of partial last blocks; the torch path may read those,
+    masked out, in a padded decode group (it relies on cache slots holding finite values).
+    """
+    if backend_name == "triton":
+        request.getfixturevalue("triton_kernels")
+    # Two decode groups with padding, partial last blocks, a chunk on context, a fresh prefill.
+    sequences = [(0, 5), (6, 3), (2, 1), (9, 1), (7, 1), (21, 1), (19, 1)]
+    batch = paged_batch(sequences, block_size=4, num_kv_heads=1, queries_per_kv=3, head_dim=16)
+    meta = batch.write_new_kv()
+    owned = torch.zeros(batch.key_cache.shape[:2], dtype=torch.bool)
+    for seq_len, table in zip(batch.seq_lens, batch.block_tables):
+        for position in range(seq_len if backend_name != "torch" else len(table) * batch.block_size):
+            owned[table[position // batch.block_size], position % batch.block_size] = True
+    assert not owned[0].any()
+    expected = batch.reference_attention()
+    batch.key_cache[~owned.to(device)] = float("nan")
+    batch.value_cache[~owned.to(device)] = float("nan")
+    output = get_attention_backend(backend_name, device).attend(
+        batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, meta, batch.scale
+    )
+    assert torch.isfinite(output).all()
+    torch.testing.assert_close(output.cpu(), expected, rtol=1e-5, atol=1e-5)

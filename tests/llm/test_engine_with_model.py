@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from prefixcache.llm.local_executor import LocalExecutor
-from prefixcache.scheduler.engine_core import EngineCore, EngineRequest, SchedulerConfig
+from prefixcache.scheduler.engine import EngineCore, EngineRequest, SchedulerConfig
 from prefixcache.step.messages import SamplingParams
 
 torch = pytest.importorskip("torch", reason="the model runner needs torch (worker extra)")
@@ -47,7 +47,7 @@ def generate_all(runner, num_kv_blocks: int, concurrent: bool, **config):
         else:
             results = [await one(rid, p) for rid, p in PROMPTS.items()]
         assert engine.cache_stats().used_blocks == 0
-        preemptions = engine._scheduler.counters.preemptions
+        preemptions = engine._policy.counters.preemptions
         await engine.shutdown(grace_s=1)
         return {outputs[0].request_id: outputs for outputs in results}, preemptions
 

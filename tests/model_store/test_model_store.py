@@ -1,9 +1,8 @@
 """The embedded model's conversion: weights as transformers' own GGUF loader reads them, the original
-SmolLM2 tokenization (digits split one by one), the chat template, and the CLI."""
+SmolLM2 tokenization (digits split one by one), the chat template."""
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import zipfile
@@ -14,7 +13,6 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from prefixcache.cli.main import main as cli_main
 from prefixcache.model_store import store as model_store
 
 
@@ -96,44 +94,3 @@ def test_tokenizer_config_carries_the_chat_template(model_dir: Path) -> None:
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
     assert config["eos_token"] == "<|im_end|>" and config["bos_token"] == "<|im_start|>"
     assert "You are a helpful AI assistant named SmolLM" in config["chat_template"]
-
-
-def test_cli_pull_prints_the_model_directory(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["model", "pull"]) == 0
-    assert capsys.readouterr().out.strip() == str(model_dir)
-
-
-def test_cli_show_describes_a_model_and_fails_without_one(model_dir: Path, tmp_path: Path,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["model", "show", "--model-dir", str(model_dir)]) == 0
-    shown = capsys.readouterr().out
-    assert "LlamaForCausalLM" in shown and "9/3" in shown
-    assert re.search(r"^model id +SmolLM2-135M-Instruct@sha256:[0-9a-f]{16}$", shown, re.MULTILINE), shown
-    assert cli_main(["model", "show", "--model-dir", str(tmp_path)]) == 1
-    assert "config.json is missing" in capsys.readouterr().err
-    # A user's own directory that does not exist: no hint to pull the embedded model.
-    assert cli_main(["model", "show", "--model-dir", str(tmp_path / "nowhere")]) == 1
-    assert capsys.readouterr().err.strip() == f"error: model directory {tmp_path / 'nowhere'} does not exist"
-
-
-def test_cli_show_checks_a_model_as_the_services_would(model_dir: Path, tmp_path: Path,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    weights_only = tmp_path / "weights-only"  # what the worker needs, without the tokenizer's file
-    weights_only.mkdir()
-    for name in ("config.json", "model.safetensors"):
-        (weights_only / name).symlink_to(model_dir / name)
-    assert cli_main(["model", "show", "--model-dir", str(weights_only)]) == 1
-    assert "no tokenizer.json" in capsys.readouterr().err
-    truncated = tmp_path / "truncated"  # a download cut short
-    truncated.mkdir()
-    for name in ("config.json", "tokenizer.json"):
-        (truncated / name).symlink_to(model_dir / name)
-    with open(model_dir / "model.safetensors", "rb") as weights:
-        (truncated / "model.safetensors").write_bytes(weights.read(1 << 20))
-    assert cli_main(["model", "show", "--model-dir", str(truncated)]) == 1
-    assert "model.safetensors: not a readable safetensors file" in capsys.readouterr().err
-    other = tmp_path / "gpt2"
-    other.mkdir()
-    (other / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
-    assert cli_main(["model", "show", "--model-dir", str(other)]) == 1
-    assert "unsupported architecture ['GPT2LMHeadModel']" in capsys.readouterr().err

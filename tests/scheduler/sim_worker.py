@@ -13,7 +13,7 @@ import asyncio
 import hashlib
 from dataclasses import dataclass, field
 
-from prefixcache.scheduler.engine_core import WorkerInfo, WorkerUnavailable
+from prefixcache.scheduler.engine import WorkerInfo, WorkerUnavailable
 from prefixcache.step.messages import SchedulerStep, StepOutput
 
 

@@ -21,6 +21,7 @@ from runner_harness import (
 
 from prefixcache.kernels import AttentionMetadata
 from prefixcache.kernels.cpu import attention as cpu_attention
+from prefixcache.kernels.cpu import attention_plan as cpu_attention_plan
 from prefixcache.kernels.cpu.native import DISABLE_ENV, native_cpu_kernels
 from prefixcache.worker.model_runner import ModelRunner
 
@@ -158,8 +159,8 @@ def test_tiny_checkpoint_greedy_matches_transformers_through_cascade_attention(t
     model_dir, reference = tiny_model
     cascades = []
     attend_cascade = cpu_attention._attend_cascade
-    monkeypatch.setattr(cpu_attention, "MIN_CASCADE_SAVED_POSITIONS", 1)
-    monkeypatch.setattr(cpu_attention, "MIN_NATIVE_CASCADE_SAVED_POSITIONS", 1)
+    monkeypatch.setattr(cpu_attention_plan, "MIN_CASCADE_SAVED_POSITIONS", 1)
+    monkeypatch.setattr(cpu_attention_plan, "MIN_NATIVE_CASCADE_SAVED_POSITIONS", 1)
     monkeypatch.setattr(cpu_attention, "_attend_cascade",
                         lambda *args: cascades.append(args[3]) or attend_cascade(*args))
     runner = ModelRunner(model_dir, attention_backend="torch")

@@ -1,8 +1,8 @@
-"""Paged KV cache and attention kernels: Triton for CUDA, a torch path for CPU with native C++ kernels
-where they run (`native_cpu`, `cpu/`), plain-torch references.
+"""Paged KV cache and attention kernels: Triton for CUDA (`triton_ops`), a torch path for CPU with native
+C++ kernels where they run (`cpu`), plain-torch references (`reference`).
 
-Importing this package never imports Triton: the Triton kernel modules (`triton_paged_attention`,
-`triton_reshape_and_cache`) load only when the Triton backend is asked for, because `@triton.jit`
+Importing this package never imports Triton: the Triton kernel modules (`triton_ops.paged_attention`,
+`triton_ops.reshape_and_cache`) load only when the Triton backend is asked for, because `@triton.jit`
 decides at import time whether to compile or interpret (`TRITON_INTERPRET=1`).
 """
 

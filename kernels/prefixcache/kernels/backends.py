@@ -1,7 +1,7 @@
 """Attention backends behind one interface, and the choice between them.
 
-- `torch`: gather + SDPA (`torch_attention`), the serving path on CPU, with prefills and decodes in
-  the native CPU kernels where they run (`native_cpu`);
+- `torch`: gather + SDPA (`cpu.attention`, planned per step by `cpu.attention_plan`), the serving
+  path on CPU, with prefills and decodes in the native CPU kernels where they run (`cpu.native`);
 - `triton`: the Triton kernels, the serving path on CUDA;
 - `reference`: the plain-torch references, slow, for tests and debugging.
 
@@ -15,7 +15,8 @@ from typing import Protocol
 
 import torch
 
-from prefixcache.kernels.cpu.attention import TorchAttentionPlan, attend_torch, write_kv_torch
+from prefixcache.kernels.cpu.attention import attend_torch, write_kv_torch
+from prefixcache.kernels.cpu.attention_plan import TorchAttentionPlan
 from prefixcache.kernels.cpu.decode_staging import DecodeStaging
 from prefixcache.kernels.cpu.native import NativeCpuKernels, native_cpu_kernels
 from prefixcache.kernels.metadata import AttentionMetadata

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from prefixcache.bench.metrics import RequestRecord, RunSummary, ratio, ratios
+from prefixcache.bench.metrics import RequestRecord, RunSummary, ratios
 
 CACHE, NO_CACHE = "cache", "no_cache"
 MODE_TITLES = {CACHE: "cache", NO_CACHE: "no cache"}
@@ -62,12 +62,20 @@ ROWS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def _cell(value: float | None, fmt: str) -> str:
+def format_cell(value: float | None, fmt: str) -> str:
+    """A figure as a table shows it: `-` where there is none."""
     return "-" if value is None else fmt.format(value)
 
 
 def _counts(counts: Mapping[str, int]) -> str:
     return ", ".join(f"{name} {count}" for name, count in counts.items()) or "-"
+
+
+def align_columns(rows: Sequence[Sequence[str]]) -> list[str]:
+    """Table lines: the first column left-aligned, the others right-aligned, two spaces apart."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]).rstrip()
+            for row in rows]
 
 
 def render_table(results: Mapping[str, WorkloadResult]) -> str:
@@ -79,43 +87,14 @@ def render_table(results: Mapping[str, WorkloadResult]) -> str:
         header = [name] + [MODE_TITLES[m] for m in modes] + (["cache/no cache"] if r else [])
         rows = [header]
         for label, key, fmt in ROWS:
-            row = [f"  {label}"] + [_cell(figures[m][key], fmt) for m in modes]
+            row = [f"  {label}"] + [format_cell(figures[m][key], fmt) for m in modes]
             if r is not None:
-                row.append(_cell(r[key], "{:.2f}x"))
+                row.append(format_cell(r[key], "{:.2f}x"))
             rows.append(row)
         rows.append(["  miss reasons"] + [_counts(result.summaries[m].miss_reasons) for m in modes] + ([""] if r else []))
         if any(result.summaries[m].errors for m in modes):
             rows.append(["  errors"] + [_counts(result.summaries[m].errors) for m in modes] + ([""] if r else []))
-        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-        for row in rows:
-            cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
-            lines.append("  ".join(cells).rstrip())
-        lines.append("")
-    return "\n".join(lines)
-
-
-def render_systems(summaries: Mapping[str, Mapping[str, RunSummary]], baseline: str) -> str:
-    """Compare systems on the same workloads: `summaries[system][workload]`, one block per workload,
-    one column per system, then each other system's figure divided by `baseline`'s."""
-    systems = list(summaries)
-    if baseline not in summaries:
-        raise ValueError(f"baseline must be one of {', '.join(systems)}, got {baseline!r}")
-    others = [s for s in systems if s != baseline]
-    workloads = list(dict.fromkeys(w for per_system in summaries.values() for w in per_system))
-    lines: list[str] = []
-    for workload in workloads:
-        present = [s for s in systems if workload in summaries[s]]
-        figures = {s: summaries[s][workload].figures() for s in present}
-        compared = [s for s in others if s in present and baseline in present]
-        header = [workload] + present + [f"{s} / {baseline}" for s in compared]
-        rows = [header]
-        for label, key, fmt in ROWS:
-            row = [f"  {label}"] + [_cell(figures[s][key], fmt) for s in present]
-            row += [_cell(ratio(figures[s][key], figures[baseline][key]), "{:.2f}x") for s in compared]
-            rows.append(row)
-        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-        for row in rows:
-            lines.append("  ".join([row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]))
+        lines += align_columns(rows)
         lines.append("")
     return "\n".join(lines)
 

@@ -1,7 +1,5 @@
 """One benchmark session: for each mode (with the cache, then without), reach an engine, warm it up,
-and run every workload on it with the same requests. Comparisons between systems that are all up at
-once (the benchmarks against vLLM and transformers) run each workload through every system back to
-back instead (`run_interleaved`)."""
+and run every workload on it with the same requests."""
 from __future__ import annotations
 
 import contextlib
@@ -13,7 +11,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from prefixcache.bench.driver import StreamingEndpoint, TenantSalts, drive
 from prefixcache.bench.engine import EngineEndpoint, EngineFacts
 from prefixcache.bench.local_platform import LocalSettings, local_platform
-from prefixcache.bench.metrics import RunSummary, summarize
+from prefixcache.bench.metrics import summarize
 from prefixcache.bench.report import CACHE, NO_CACHE, ProgressBar, WorkloadResult
 from prefixcache.bench.workloads import BenchRequest, WorkloadOptions, check_few_shot, generate
 
@@ -158,15 +156,15 @@ async def run_session(config: BenchConfig, note: Callable[[str], None] = _to_std
         outcome = BenchOutcome.for_workloads(config.workloads)
     if config.target and config.no_cache_target:  # both given: refuse a wrong pair before the long first run
         async with EngineEndpoint(config.no_cache_target, config.request_timeout_s) as no_cache:
-            no_cache_facts = check_mode(NO_CACHE, await no_cache.describe(), config.no_cache_target)
+            no_cache_facts = check_mode(NO_CACHE, await no_cache.facts(), config.no_cache_target)
         async with EngineEndpoint(config.target, config.request_timeout_s) as cache:
-            check_comparable(check_mode(CACHE, await cache.describe(), config.target), no_cache_facts,
+            check_comparable(check_mode(CACHE, await cache.facts(), config.target), no_cache_facts,
                              config.no_cache_target)
     first: EngineFacts | None = None
     for mode in config.modes:
         async with engine_target(config, mode) as (target, owned):
             async with EngineEndpoint(target, config.request_timeout_s) as endpoint:
-                facts = check_mode(mode, await endpoint.describe(), target)
+                facts = check_mode(mode, await endpoint.facts(), target)
                 if first is None:  # the first mode plans; every mode sends the very same requests
                     first = facts
                     plan_workloads(config, facts, outcome, note)
@@ -251,33 +249,3 @@ def parse_workloads(names: Sequence[str], known: Sequence[str]) -> tuple[str, ..
         if name not in known:
             raise ValueError(f"--workload must name one of {', '.join(known)}, got {name!r}")
     return tuple(dict.fromkeys(chosen))
-
-
-@dataclass(frozen=True)
-class ComparedSystem:
-    """One side of an interleaved comparison."""
-
-    name: str
-    endpoint: StreamingEndpoint
-    concurrency: int
-    owned_engine: EngineEndpoint | None = None  # a prefixcache engine this run started: emptied per workload
-
-
-async def run_interleaved(requests: dict[str, list[BenchRequest]], systems: Sequence[ComparedSystem], tenants: int,
-                          note: Callable[[str], None] = _to_stderr) -> dict[str, dict[str, RunSummary]]:
-    """Each workload through every system back to back, the order rotating from one workload to the
-    next, so that a drift in the machine's speed lands on every side rather than on whichever ran
-    last. Returns the summaries by system, then workload."""
-    summaries: dict[str, dict[str, RunSummary]] = {system.name: {} for system in systems}
-    order = list(systems)
-    for name, batch in requests.items():
-        for system in order:
-            if system.owned_engine is not None and not await system.owned_engine.reset_prefix_cache():
-                note(f"{system.name} refused to reset its prefix cache before {name}")
-            bar = ProgressBar(f"{name} ({system.name})", len(batch))
-            run = await drive(system.endpoint, batch, system.concurrency, TenantSalts(tenants), on_done=bar.advance)
-            bar.close()
-            evictions = run.evictions if isinstance(system.endpoint, EngineEndpoint) else None
-            summaries[system.name][name] = summarize(run.records, evictions)
-        order = order[1:] + order[:1]
-    return summaries

@@ -41,9 +41,6 @@ def is_valid_block_size(block_size: object) -> bool:
     """A power of two in [1, MAX_BLOCK_SIZE]."""
     return _is_int(block_size) and 1 <= block_size <= MAX_BLOCK_SIZE and not block_size & (block_size - 1)
 
-# The order extra items must appear in, by tag (several "mm" items keep their token order).
-_EXTRA_TAG_ORDER = {"lora": 0, "mm": 1, "embeds": 2, "salt": 3}
-
 
 @dataclass(frozen=True)
 class MultiModalItem:
@@ -67,7 +64,7 @@ class BlockExtras:
     """Everything besides the token ids that changes a block's KV.
 
     `prompt_embeds_digests[i]` is the digest of block i's rows of the prompt embeddings (see
-    `digest_prompt_embeds`; the block holding the prompt's end has one for its prompt rows, so that
+    docs/block-identity.md; the block holding the prompt's end has one for its prompt rows, so that
     once generated tokens fill it, it still differs from a block of other embeddings); blocks past
     the end of the tuple hold generated tokens only and have none.
     `lora_digest` names the adapter's exact weights; without it an adapter updated in place
@@ -131,21 +128,6 @@ class BlockExtras:
 
 NO_EXTRAS = BlockExtras()
 _NO_EXTRA = cbor.encode(None)  # a block's `extra` when it has none
-
-
-def digest_prompt_embeds(embeddings: bytes | memoryview, num_tokens: int, block_size: int) -> tuple[bytes, ...]:
-    """Per-block sha256 digests of a prompt's embeddings, for `BlockExtras.prompt_embeds_digests`.
-
-    `embeddings` is the raw C-order buffer of a [num_tokens, hidden] tensor in its own dtype
-    (e.g. `tensor.numpy().tobytes()`); block i's digest covers rows [i*block_size, (i+1)*block_size),
-    and the last block's only the rows up to num_tokens when the prompt ends inside it.
-    """
-    view = memoryview(embeddings).cast("B")
-    if num_tokens < 1 or len(view) % num_tokens:
-        raise ValueError(f"embeddings of {len(view)} bytes do not split into {num_tokens} rows")
-    stride = len(view) // num_tokens * block_size
-    return tuple(hashlib.sha256(view[i * stride : (i + 1) * stride]).digest()
-                 for i in range(-(-num_tokens // block_size)))
 
 
 def xxhash_seed_from_env(pythonhashseed: str | None) -> int | None:
@@ -272,61 +254,6 @@ class BlockHasher:
             first = bodies[0]
             bodies[0] = first[: len(first) - len(common)] + cbor.encode(extras.items_for_block(0, block_size))
         return bodies
-
-    def hash_block(self, parent: bytes | None, tokens: Sequence[int], extra: Sequence[Sequence] | None = None,
-                   *, block_index: int) -> BlockHash:
-        """The hash of one block from explicit spec values (for replaying another system's blocks).
-
-        `extra` is the spec's list of items, checked for shape and order; `parent` None means root.
-        """
-        if not _is_int(block_index) or block_index < 0:
-            raise ValueError(f"block_index must be an integer >= 0, got {block_index!r}")
-        if parent is None:
-            if block_index != 0:
-                raise ValueError(f"block {block_index} needs its parent's hash")
-            parent = self.root
-        elif not isinstance(parent, bytes) or len(parent) != self.digest_size:
-            raise ValueError(f"parent must be a {self.digest_size}-byte hash")
-        if len(tokens) != self.block_size:
-            raise ValueError(f"a block holds exactly {self.block_size} tokens, got {len(tokens)}")
-        items = None if extra is None else [list(item) for item in extra]
-        if items is not None:
-            _check_extra_items(items, block_index)
-        tokens_array = cbor.head(4, self.block_size) + cbor.encode_uints(tokens)
-        return BlockHash(self.digest(b"".join((self._block_head, parent, tokens_array, cbor.encode(items or None)))))
-
-
-def _check_extra_items(items: list[list], block_index: int) -> None:
-    last_rank = -1
-    last_mm_offset: int | None = None
-    for position, item in enumerate(items):
-        tag = item[0] if item else None
-        rank = _EXTRA_TAG_ORDER.get(tag) if isinstance(tag, str) else None
-        if rank is None:
-            raise ValueError(f"extra[{position}]: unknown item {tag!r}; expected one of {', '.join(_EXTRA_TAG_ORDER)}")
-        if rank < last_rank or (rank == last_rank and tag != "mm"):
-            raise ValueError(f"extra[{position}]: {tag!r} is out of order or repeated; "
-                             "the order is lora, mm…, embeds, salt")
-        last_rank = rank
-        # Strings and digests must be non-empty; a LoRA digest may be null ("Values that have no hash").
-        valid = {
-            "lora": len(item) == 3 and _is_nonempty(item[1], str) and (item[2] is None or _is_nonempty(item[2], bytes)),
-            "mm": len(item) == 3 and _is_nonempty(item[1], str) and _is_int(item[2]),
-            "embeds": len(item) == 2 and _is_nonempty(item[1], bytes),
-            "salt": len(item) == 2 and _is_nonempty(item[1], str),
-        }[tag]
-        if not valid:
-            raise ValueError(f"extra[{position}]: malformed {tag!r} item")
-        if tag == "mm":
-            if last_mm_offset is not None and item[2] <= last_mm_offset:
-                raise ValueError(f"extra[{position}]: mm items must be in prompt order (offsets increasing)")
-            last_mm_offset = item[2]
-        if tag == "salt" and block_index != 0:
-            raise ValueError(f"extra[{position}]: a salt belongs to block 0 only, not block {block_index}")
-
-
-def _is_nonempty(value: object, kind: type) -> bool:
-    return isinstance(value, kind) and len(value) > 0
 
 
 def _is_int(value: object) -> bool:

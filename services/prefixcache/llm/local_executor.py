@@ -1,4 +1,4 @@
-"""Run steps on a model runner in this process (the engine's tests with a real model).
+"""Run steps on a model runner in this process: the worker side of `prefixcache.llm.LLM`.
 
 The runner is used through the methods of `prefixcache.worker.model_runner.ModelRunner`
 (describe, num_blocks_for_memory, initialize_kv_cache, execute), so this module imports no torch.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from prefixcache.scheduler.engine_core import WorkerInfo
+from prefixcache.scheduler.engine import WorkerInfo
 from prefixcache.step.messages import SchedulerStep, StepOutput
 from prefixcache.worker.compute_thread import ComputeThread
 
@@ -22,10 +22,12 @@ class ModelRunnerLike(Protocol):
 
 class LocalExecutor:
     """A StepExecutor over an in-process model runner. The KV cache is sized by a block count or by
-    a memory budget in bytes (exactly one of them)."""
+    a memory budget in bytes (exactly one of them). `compute` is the thread the runner was loaded on,
+    if it was (one thread for all of a model's work, see `ComputeThread`)."""
 
     def __init__(
-        self, runner: ModelRunnerLike, *, num_kv_blocks: int | None = None, kv_cache_bytes: int | None = None
+        self, runner: ModelRunnerLike, *, num_kv_blocks: int | None = None, kv_cache_bytes: int | None = None,
+        compute: ComputeThread | None = None,
     ) -> None:
         if (num_kv_blocks is None) == (kv_cache_bytes is None):
             raise ValueError("give exactly one of num_kv_blocks and kv_cache_bytes")
@@ -34,7 +36,7 @@ class LocalExecutor:
         self.runner = runner
         self._num_kv_blocks = num_kv_blocks
         self._kv_cache_bytes = kv_cache_bytes
-        self._compute = ComputeThread()
+        self._compute = compute or ComputeThread()
 
     async def initialize(self, block_size: int) -> WorkerInfo:
         description = self.runner.describe()

@@ -1,7 +1,7 @@
 """Prometheus metrics of the scheduler: prefix-cache effectiveness, block usage, queues.
 
-Everything is read from the scheduler when Prometheus scrapes (a custom collector), so the step loop
-pays nothing per step. Counters come from `SchedulerCounters`, which survive a worker restart; block
+Everything is read from the scheduling policy when Prometheus scrapes (a custom collector), so the step
+loop pays nothing per step. Counters come from `PolicyCounters`, which survive a worker restart; block
 gauges come from the KV cache manager in use. Each `SchedulerMetrics` owns its registry, so several
 engines (tests) never collide; the services engineer serves `metrics.registry` over HTTP.
 """
@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 from prefixcache.scheduler.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 
 if TYPE_CHECKING:
-    from prefixcache.scheduler.policy import Scheduler
+    from prefixcache.scheduler.policy import SchedulingPolicy
     from prefixcache.scheduler.request import RequestOutput
 
 PREFIX = "prefixcache"
@@ -28,7 +28,7 @@ FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR)
 class SchedulerMetrics(Collector):
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        self._scheduler: Scheduler | None = None
+        self._policy: SchedulingPolicy | None = None
         # finish reason -> requests; every reason from the start, so a first error is an increase
         self._finished: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)
         self._generation_tokens = 0
@@ -36,10 +36,10 @@ class SchedulerMetrics(Collector):
         self._worker_losses = 0
         self.registry.register(self)
 
-    def bind(self, scheduler: Scheduler, held: Callable[[], int] = lambda: 0) -> None:
-        """Read from this scheduler from now on (a new one is bound after a worker loss); `held`
-        counts the requests waiting for a new worker, outside any scheduler."""
-        self._scheduler = scheduler
+    def bind(self, policy: SchedulingPolicy, held: Callable[[], int] = lambda: 0) -> None:
+        """Read from this policy from now on (a new one is bound after a worker loss); `held` counts
+        the requests waiting for a new worker, outside any policy."""
+        self._policy = policy
         self._held = held
 
     def request_added(self, prompt_tokens: int) -> None:
@@ -79,9 +79,9 @@ class SchedulerMetrics(Collector):
         for reason, count in sorted(self._finished.items()):
             finished.add_metric([reason], count)
         yield finished
-        if self._scheduler is None:
+        if self._policy is None:
             return
-        counters = self._scheduler.counters
+        counters = self._policy.counters
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", counters.queried_tokens)
         yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache (the last token's block of "
                       "a full match is recomputed, not served).", counters.hit_tokens)
@@ -90,7 +90,7 @@ class SchedulerMetrics(Collector):
         yield counter("steps", "Scheduler steps executed.", counters.steps)
         yield counter("steps_scheduled_ahead", "Scheduler steps sent while the step before them was still running.",
                       counters.steps_ahead)
-        stats = self._scheduler.kv_cache.stats()
+        stats = self._policy.kv_cache.stats()
         # The states partition the pool, so sum() is the pool's size; "cached" cuts across them.
         blocks = GaugeMetricFamily(
             f"{PREFIX}_kv_blocks",
@@ -102,6 +102,6 @@ class SchedulerMetrics(Collector):
         yield blocks
         yield GaugeMetricFamily(f"{PREFIX}_kv_cached_blocks", "KV blocks holding reusable KV, used or free.",
                                 value=stats.cached_blocks)
-        yield GaugeMetricFamily(f"{PREFIX}_requests_running", "Requests holding KV blocks.", value=self._scheduler.num_running)
+        yield GaugeMetricFamily(f"{PREFIX}_requests_running", "Requests holding KV blocks.", value=self._policy.num_running)
         yield GaugeMetricFamily(f"{PREFIX}_requests_waiting", "Requests waiting for admission (or for a worker).",
-                                value=self._scheduler.num_waiting + self._held())
+                                value=self._policy.num_waiting + self._held())

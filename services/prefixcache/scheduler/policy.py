@@ -8,10 +8,9 @@ first so that only its uncached tokens are computed.
 A prompt longer than what is left of the budget is chunked only into a step that computes no other
 prompt (decodes aside); otherwise it waits for the next step, where it comes first. vLLM v1 fills
 every step to the budget instead, which makes each prompt that completes in a step wait for a
-chunk of the next one: with eight 1,074-token prompts arriving at once and a 2,048-token budget,
-the median time to first token was 9.1 s filled and 6.9 s this way, for the same total time. A
-request never waits for work queued behind it, so nothing starves: the head of the queue goes first
-as soon as the prompts ahead of it are done.
+chunk of the next one: prompts arriving together get their first token later, for the same total
+time (the README's figures compare the two). A request never waits for work queued behind it, so
+nothing starves: the head of the queue goes first as soon as the prompts ahead of it are done.
 
 When the KV cache has no room for a running request's next tokens, the most recently admitted running
 request is preempted by recompute: its blocks are freed (the full ones stay cached) and it goes back
@@ -24,7 +23,7 @@ block it fills is hashed once the token is known, and a request whose pending to
 length is not scheduled again. One that the token in flight ends otherwise (EOS, a stop token) has
 computed one token for nothing, and the worker drops it a step later.
 
-The scheduler is synchronous and knows nothing of transport: `schedule()` builds a diff-based
+The policy is synchronous and knows nothing of transport: `schedule()` builds a diff-based
 `SchedulerStep`, `update_from_output()` applies the worker's `StepOutput` and returns the outputs for
 the clients. `EngineCore` drives it.
 """
@@ -33,14 +32,15 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from prefixcache.scheduler.config import SchedulerConfig
 from prefixcache.scheduler.kv_cache import KVCacheManager
 from prefixcache.scheduler.request import (
     FINISH_ABORT,
     FINISH_LENGTH,
     FINISH_STOP,
     EngineRequest,
-    Request,
     RequestOutput,
+    RequestState,
     RequestStatus,
 )
 from prefixcache.step.messages import (
@@ -52,30 +52,9 @@ from prefixcache.step.messages import (
 )
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
-    block_size: int = 16
-    hash_algo: str = "sha256"
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 32  # running requests at most
-    max_num_batched_tokens: int = 2048  # tokens computed per step at most (long prompts are chunked)
-    max_waiting: int = 256  # waiting requests at most; beyond, new requests are refused
-    max_model_len: int = 8192
-    # Send a decode step before the one running returns (see `can_schedule_ahead`): the worker then
-    # starts it as soon as it is free instead of waiting a round trip and a scheduling pass for it.
-    # It pays most where an accelerator runs the step and the CPU is idle meanwhile; on the 2-core
-    # dev box it pays at low concurrency, where steps are short (docs/services.md).
-    schedule_ahead: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "max_model_len"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-
-
 @dataclass
-class SchedulerCounters:
-    """Cumulative counts for metrics; they outlive a Scheduler (handed to the next after a worker loss)."""
+class PolicyCounters:
+    """Cumulative counts for metrics; they outlive a policy (handed to the next after a worker loss)."""
 
     admissions: int = 0  # admissions from the waiting queue, re-admissions after preemption included
     # Prompt tokens looked up in the prefix cache at first admissions (a recompute after preemption
@@ -89,36 +68,36 @@ class SchedulerCounters:
     steps_ahead: int = 0  # of those, scheduled while the step before was in flight
 
 
-class Scheduler:
+class SchedulingPolicy:
     def __init__(
         self,
         config: SchedulerConfig,
         kv_cache: KVCacheManager,
         eos_token_ids: tuple[int, ...] = (),
         max_model_len: int | None = None,
-        counters: SchedulerCounters | None = None,
+        counters: PolicyCounters | None = None,
     ) -> None:
         self.config = config
         self.kv_cache = kv_cache
-        self.counters = counters or SchedulerCounters()
+        self.counters = counters or PolicyCounters()
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len or config.max_model_len
-        self.requests: dict[str, Request] = {}  # unfinished requests, waiting or running
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order: the last one is preempted first
+        self.requests: dict[str, RequestState] = {}  # unfinished requests, waiting or running
+        self.waiting: deque[RequestState] = deque()
+        self.running: list[RequestState] = []  # in admission order: the last one is preempted first
         self._dropped_ids: list[str] = []  # the worker must forget these at the next step
         # Requests of each step in flight, by step id, each with whether the step samples for it.
-        self._in_flight: dict[int, dict[str, tuple[Request, bool]]] = {}
+        self._in_flight: dict[int, dict[str, tuple[RequestState, bool]]] = {}
         self._next_step_id = 0
 
     # ---- queues ---------------------------------------------------------------------------------
 
-    def add_request(self, request: EngineRequest, counted: bool = False) -> Request:
+    def add_request(self, request: EngineRequest, counted: bool = False) -> RequestState:
         """Queue a request. `counted`: its prompt is already in the prefix-cache counters (a request
         submitted again after a worker loss, once admitted before it)."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
-        state = Request.from_engine_request(request)
+        state = RequestState.from_engine_request(request)
         state.kv.counted = counted
         self.requests[state.request_id] = state
         self.waiting.append(state)
@@ -146,13 +125,13 @@ class Scheduler:
                         for request in self.running)
                 and not all(map(self._ends_by_length, self.running)))
 
-    def _pending_samples(self, request: Request) -> int:
+    def _pending_samples(self, request: RequestState) -> int:
         """Tokens the steps in flight will sample for `request`: the next step feeds them back before
-        the scheduler knows them (the worker appends what it samples itself)."""
+        the policy knows them (the worker appends what it samples itself)."""
         return sum(entry[1] for scheduled in self._in_flight.values()
                    if (entry := scheduled.get(request.request_id)) is not None and entry[0] is request)
 
-    def _ends_by_length(self, request: Request) -> bool:
+    def _ends_by_length(self, request: RequestState) -> bool:
         """Whether the tokens pending for `request` end it by length (max_tokens or the model's)."""
         pending = self._pending_samples(request)
         return (len(request.output_token_ids) + pending >= request.max_tokens
@@ -247,14 +226,14 @@ class Scheduler:
             if evictor is not None:
                 evictor.pending_evictions.append(batch)
 
-    def _mark_scheduled(self, request: Request, num_new: int, step: SchedulerStep) -> int:
+    def _mark_scheduled(self, request: RequestState, num_new: int, step: SchedulerStep) -> int:
         step.num_scheduled_tokens[request.request_id] = num_new
         request.kv.num_computed_tokens += num_new
         samples = request.num_computed_tokens == request.num_tokens + self._pending_samples(request)
         self._in_flight[step.step_id][request.request_id] = (request, samples)
         return num_new
 
-    def _preempt(self, request: Request, step: SchedulerStep) -> None:
+    def _preempt(self, request: RequestState, step: SchedulerStep) -> None:
         self.kv_cache.free(request.request_id)
         request.kv.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
@@ -271,7 +250,7 @@ class Scheduler:
         """Append each sampled token, check stop conditions, finish what is done.
 
         Requests aborted while the step ran are skipped. Raises ValueError if the worker's answer
-        does not match the step (a token missing or unexpected): the worker and the scheduler no
+        does not match the step (a token missing or unexpected): the worker and the policy no
         longer agree, and the caller must treat the worker as lost.
         """
         if output.step_id != step.step_id:
@@ -285,7 +264,7 @@ class Scheduler:
                 raise ValueError(f"worker sampled for {request_id!r}, which step {step.step_id} did not schedule")
         # The whole answer is checked before any of it is taken: one that does not fit leaves every
         # request as it was (no token appended to some), and the engine treats the worker as lost.
-        sampled: list[tuple[Request, int]] = []
+        sampled: list[tuple[RequestState, int]] = []
         for request_id, (request, samples) in scheduled.items():
             if self.requests.get(request_id) is not request:
                 continue  # ended (and maybe re-added under the same id) while the step ran
@@ -306,7 +285,7 @@ class Scheduler:
                 self._finish(request)
         return outputs
 
-    def _stop_reason(self, request: Request, token_id: int) -> str | None:
+    def _stop_reason(self, request: RequestState, token_id: int) -> str | None:
         if token_id in request.stop_token_ids or (not request.ignore_eos and token_id in self.eos_token_ids):
             return FINISH_STOP
         if len(request.output_token_ids) >= request.max_tokens or request.num_tokens >= self.max_model_len:
@@ -315,7 +294,7 @@ class Scheduler:
 
     def _output(
         self,
-        request: Request,
+        request: RequestState,
         token_ids: list[int],
         finish_reason: str | None,
         logprobs: tuple[TokenLogprobs, ...] = (),
@@ -335,7 +314,7 @@ class Scheduler:
             num_preemptions=request.num_preemptions,
         )
 
-    def _finish(self, request: Request) -> None:
+    def _finish(self, request: RequestState) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
             self.kv_cache.free(request.request_id)

@@ -1,5 +1,5 @@
-"""What goes into the engine (`EngineRequest`), what comes out (`RequestOutput`), and the scheduler's
-per-request state in between (`Request`).
+"""What goes into the engine (`EngineRequest`), what comes out (`RequestOutput`), and the scheduling
+policy's per-request state in between (`RequestState`).
 
 Pure data: no asyncio, no transport. The gRPC servicer converts its messages to and from these.
 """
@@ -58,8 +58,8 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass(eq=False)
-class Request:
-    """The scheduler's state for one request. Its token ids (prompt + generated) and computed-token
+class RequestState:
+    """The scheduling policy's state for one request. Its token ids (prompt + generated) and computed-token
     count live in `kv`, the object the KV cache manager reads."""
 
     request_id: str
@@ -81,7 +81,7 @@ class Request:
     origin: EngineRequest | None = None  # what was submitted, to submit again after a worker loss
 
     @classmethod
-    def from_engine_request(cls, request: EngineRequest) -> Request:
+    def from_engine_request(cls, request: EngineRequest) -> RequestState:
         return cls(
             origin=request,
             request_id=request.request_id,

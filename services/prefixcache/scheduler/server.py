@@ -21,8 +21,9 @@ from prefixcache.block_identity.hashing import HASH_ALGOS
 from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
 from prefixcache.rpc.server import Servicer, configure_logging, run_server
 from prefixcache.rpc.tracing import SpanRegistry
-from prefixcache.scheduler.engine_core import EngineCore, SchedulerConfig, WorkerUnavailable
-from prefixcache.scheduler.engine_service import SERVICE_NAME, EngineServicer
+from prefixcache.scheduler.api.servicer import SERVICE_NAME, EngineServicer
+from prefixcache.scheduler.config import SchedulerConfig
+from prefixcache.scheduler.engine import EngineCore, WorkerUnavailable
 from prefixcache.scheduler.tokenizer_client import TokenizerClient
 from prefixcache.scheduler.worker_client import GrpcStepExecutor
 

@@ -13,7 +13,7 @@ from prefixcache.protos.worker.v1 import worker_pb2 as pb
 from prefixcache.protos.worker.v1 import worker_pb2_grpc as pb_grpc
 from prefixcache.rpc.client import open_channel, status_of
 from prefixcache.rpc.tracing import SpanRegistry, quiet_span, tracing_enabled
-from prefixcache.scheduler.engine_core import WorkerInfo, WorkerUnavailable
+from prefixcache.scheduler.engine import WorkerInfo, WorkerUnavailable
 from prefixcache.step.codec import output_from_proto, step_to_proto
 from prefixcache.step.messages import SchedulerStep, StepOutput
 

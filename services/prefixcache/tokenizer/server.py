@@ -1,6 +1,7 @@
 """The tokenizer service: `prefixcache tokenizer --port 50053 [--model-dir DIR]`.
 
-Imports no torch: the tokenizer image installs only the `tokenizer` extra.
+Imports no torch and converts no model: the tokenizer image installs only the `tokenizer` extra.
+Without --model-dir it serves the default model where `prefixcache model pull` put it.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import grpc
 from grpc import aio
 
 from prefixcache.arg_types import listen_port
+from prefixcache.model_store.store import default_model_dir, is_complete_model_dir
 from prefixcache.protos.tokenizer.v1 import tokenizer_pb2 as pb
 from prefixcache.protos.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
 from prefixcache.rpc.server import Servicer, configure_logging, run_server
@@ -82,7 +84,8 @@ def servicer(tokenizer: TextTokenizer) -> Servicer:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=listen_port, default=50053, help="port to listen on (0: any free port)")
     parser.add_argument("--host", default="[::]", help="address to bind (default: all interfaces)")
-    parser.add_argument("--model-dir", type=Path, help="model directory with tokenizer.json (default: the embedded model)")
+    parser.add_argument("--model-dir", type=Path, help="model directory with tokenizer.json (default: the embedded "
+                        "model, as `prefixcache model pull` put it)")
     parser.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get on SIGTERM")
     parser.add_argument("--drain-idle", type=float, default=0.0,
                         help="on SIGTERM: keep serving new calls until none has been in flight for this long "
@@ -93,11 +96,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
-    model_dir = args.model_dir
-    if model_dir is None:
-        from prefixcache.model_store.store import ensure_default_model
-
-        model_dir = ensure_default_model()
+    model_dir = args.model_dir or default_model_dir()
+    if args.model_dir is None and not is_complete_model_dir(model_dir):
+        # Converting the model needs the worker's packages, which this image does not install.
+        log.error("no model in %s: run `prefixcache model pull` first, or give --model-dir", model_dir)
+        return 1
     try:
         tokenizer = TextTokenizer(model_dir)
     except Exception as error:  # a missing or malformed file; `tokenizers` raises plain Exceptions

@@ -3,8 +3,8 @@
 torch's CPU kernels run on OpenMP, which keeps a separate team of worker threads for each thread
 that starts parallel work. `asyncio.to_thread` hands each call to whichever pool thread is free,
 so loading on one thread and stepping on others leaves several teams competing for the same
-cores: on the 2-core dev machine a decode step took 1.6 to 2 times as long as when every torch
-call came from one thread. Routing all of them through one `ComputeThread` keeps one team.
+cores, and a decode step takes far longer than when every torch call comes from one thread.
+Routing all of them through one `ComputeThread` keeps one team.
 """
 from __future__ import annotations
 

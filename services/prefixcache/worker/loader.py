@@ -91,7 +91,9 @@ def inspect_checkpoint(model_dir: str | Path) -> Checkpoint:
 
 
 def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu",
-               progress: TextIO | None = sys.stderr) -> LoadedModel:
+               progress: TextIO | None = None) -> LoadedModel:
+    """Load the checkpoint, reporting progress on `progress` (default: this process's stderr now)."""
+    progress = progress or sys.stderr
     torch_dtype = parse_dtype(dtype)
     checkpoint = inspect_checkpoint(model_dir)
     files = checkpoint.files

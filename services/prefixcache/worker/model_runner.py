@@ -136,8 +136,8 @@ class ModelRunner:
                                              self.dtype)
 
     def _decode_staging_positions(self) -> int:
-        """Positions the CPU path may keep staged for decodes (`kernels/prefixcache/kernels/cpu/decode_staging.py`): half the
-        cache's, and no more than half the memory still free once the cache is allocated."""
+        """Positions the CPU path may keep staged for decodes (`prefixcache.kernels.cpu.decode_staging`): half
+        the cache's, and no more than half the memory still free once the cache is allocated."""
         if self.device.type != "cpu":
             return 0
         try:

@@ -3,23 +3,18 @@
 torch's CPU kernels run on an OpenMP team (libgomp in the PyPI builds). Once a parallel region ends,
 its threads spin for GOMP_SPINCOUNT iterations waiting for the next one, then sleep on a futex.
 Between two steps the worker is idle for the scheduler's turn: the reply, output processing,
-streaming to clients and the next step's gRPC call, 5 to 13 ms on the 2-core dev VM with the other
-services and the clients sharing its cores. With libgomp's default, 300,000 spins (about 14 ms in an
-idle process there), every decode step took longer under that load; longer spinning keeps the team
-awake from one step to the next. (Why the default falls short there, whether the threads' wake-up
-or spins slowed by the other processes, was not isolated.)
-
-Measured on that VM (2026-12-05, Intel Xeon, `prefixcache bench --workload shared-system-prompt
---num-requests 8 --concurrency 8 --prefix-len 1024 --suffix-len 50:50 --output-len 32` against
-`prefixcache serve`), ITL p50 / requests/s:
-default 82-101 ms / 1.50-1.71 over eight runs; 1,000,000 spins 72-74 ms / 1.78-1.83 over two;
-3,000,000 spins 70-76 ms / 1.75-1.93 over four; OMP_WAIT_POLICY=active (never sleep) 72 ms /
-1.85-1.95 over two. 3,000,000 spins last about 50 ms in an idle process: an idle worker's threads
-sleep after that, where OMP_WAIT_POLICY=active would keep a core busy for minutes.
+streaming to clients and the next step's gRPC call, several milliseconds when the other services and
+the clients share the worker's cores. With libgomp's default of 300,000 spins, which can run out
+within that gap, every decode step took longer under such load. (Why the default falls short there,
+whether the threads' wake-up or spins slowed by the other processes, was not isolated.) Spinning
+longer keeps the team awake from one step to the next: at 3,000,000 spins the inter-token latency
+and throughput under load match never sleeping (OMP_WAIT_POLICY=active), yet an idle worker's
+threads still sleep after a fraction of a second, where OMP_WAIT_POLICY=active would keep a core
+busy for as long as the worker idles.
 
 libgomp reads the variable once, when torch loads it, so this must run before `import torch`.
 A value set by the operator (the pod's environment) wins. Builds on Intel's OpenMP runtime ignore
-it (their analogue, KMP_BLOCKTIME, was not measured, so it is left alone).
+it; their analogue, KMP_BLOCKTIME, is left alone, as it was not measured.
 """
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """Decode keys and values kept in contiguous buffers from one step to the next (the CPU torch path).
 
 A decode group attends over its members' whole contexts, which the paged cache holds in scattered
-blocks. Gathering them into one tensor copies every context again at every step and in every layer:
-at batch 8 and 1.1k-token contexts that is 405 MB a step, a quarter of SmolLM2's step time. A staged
-group keeps its members' keys and values in per-layer buffers instead: gathered once when the group
-forms, then extended by each member's newest position, read from the cache after this step's write.
+blocks. Gathering them into one tensor copies every context again at every step and in every layer,
+a large share of a decode step's time at long contexts. A staged group keeps its members' keys and
+values in per-layer buffers instead: gathered once when the group forms, then extended by each
+member's newest position, read from the cache after this step's write.
 
 The cache stays the only source of truth. A buffer holds, at every position a member can see, the
 bytes a gather would read, so attention gives the same result to the bit. A group continues only
@@ -14,19 +14,15 @@ gathers afresh. Each layer's buffers also record the lengths they hold and gathe
 are not one short of this step's, so a step that failed half-way leaves nothing stale behind.
 
 Buffers hold each key/value head's positions contiguously (`[members, heads, positions, dim]`), not
-in the cache's position-major order: the CPU flash kernel packs strided keys and values itself, and
-gives the same bits either way. SmolLM2, 8 decodes at 1.1k-token contexts, profiled: 2.54 → 1.68 ms
-per layer's attention, 195 → 119 ms a step (2026-12-04, the slow VM).
+in the cache's position-major order: the CPU flash kernel would otherwise pack the strided keys and
+values itself in every layer, a large part of its time (it gives the same bits either way).
 
 Buffers take memory beside the cache, at most `max_positions` positions per layer in all (the model
 runner allows half the cache's positions, less if free memory is short). Groups beyond that, and
 groups too small to gain (`MIN_GROUP_POSITIONS`), are gathered every step, as before.
 
-Measured on SmolLM2, 8 decodes a step, blocks scattered, the same tokens either way: 125.8 → 99.0 ms
-a step at 1.1k-token contexts, 92.5 → 84.7 ms at 400; 8 decodes on a 1,024-token shared prefix
-(attended as a cascade) with ~300-token tails of their own, staging the tails: 94.8 → 85.9 ms. That
-is less than the gathers' share of the step: a fresh gather leaves its data in the CPU cache for the
-attention right after it, while staged buffers are read from memory.
+Staging saves less than the gathers' whole share of a step: a fresh gather leaves its data in the CPU
+cache for the attention right after it, while staged buffers are read from memory.
 """
 
 from __future__ import annotations
@@ -39,8 +35,7 @@ import torch
 # decode this many steps before its buffers must grow (by a fresh gather).
 HEADROOM_POSITIONS = 128
 # Smaller groups (members x longest member) gather every step: their gather is cheap and stays in the
-# CPU cache for the attention after it, and the appends' fixed cost would outweigh it (SmolLM2, 8
-# decodes: about even at 8 x 150 positions, 9% slower staged at 8 x 70).
+# CPU cache for the attention after it, and the appends' fixed cost would outweigh it.
 MIN_GROUP_POSITIONS = 2048
 
 

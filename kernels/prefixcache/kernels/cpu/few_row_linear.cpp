@@ -2,11 +2,9 @@
 //
 // Why it exists: a decode step multiplies a handful of rows by every weight of the model once, so
 // it is bound by how fast the weights stream from memory. oneDNN's blocked kernel reaches that
-// bound up to 4 rows, but at 8 rows it takes a third longer than at 4 (SmolLM2-135M's 30 layers,
-// weights not in cache), though the memory traffic is the same. Streaming panels with software
-// prefetches beats it from 1 row to about 200 (all 30 layers' projections, ms, oneDNN / this: 1 row
-// 21.5 / 15.9, 8 rows 25.7 / 20.9, 64 rows 71.3 / 59.0, 128 rows 110 / 101, 192 rows 150 / 143,
-// 256 rows 189 / 188).
+// bound up to 4 rows, but takes clearly longer at 8 rows than at 4, though the memory traffic is the
+// same. Streaming panels with software prefetches beats it from 1 row to about 200 (all of a
+// model's projections, weights not in cache).
 //
 // Layout: W [N, K] is packed once into panels of kPanel output columns, [N / kPanel][K][kPanel], so
 // a panel is one sequential run of memory. A work item is a panel: for each k, its kPanel weights

@@ -3,44 +3,28 @@
 `F.linear(x, W)` multiplies by a transposed view of the `[out, in]` weight, and MKL repacks that
 operand on every call. For the few rows of a decode step the repacking costs as much as the
 arithmetic, and a whole model's weights do not stay in cache from one step to the next, so every
-step pays it again. Two layouts avoid it:
+step would pay it again. The weights are laid out once instead, in up to two copies (`CpuLayout`):
 
+- oneDNN's blocked layout, reordered once, for `mkldnn._linear_pointwise`;
 - the weight stored transposed, `[in, out]` contiguous, for `torch.mm`;
-- oneDNN's blocked layout, reordered once, for `mkldnn._linear_pointwise`.
+- panels for the native few-row kernel (`few_row_linear.cpp`: float32, AVX-512), which streams the
+  weights with software prefetches; where every weight of a matrix is exactly a GGUF Q4_1 or Q8_0
+  block's d * q (+ m) (the embedded model's, dequantized), 4- or 8-bit blocks instead
+  (`few_row_blocks.cpp`): the same bits out, a fifth or a quarter of the bytes to stream.
 
-Measured on the 2-core dev VM, SmolLM2-135M's 30 layers, weights not in cache, ms per step for all
-projections (F.linear / transposed / blocked), 2026-12-02/03:
+Which copy serves which row count follows where each was fastest over all of a model's projections,
+weights not in cache, and over whole prefill and decode steps:
 
-    float32   1 row 24.5 / 21.7 / 28.5   8 rows 55.3 / 45.0 / 36.3   64 rows 96.5 / 87.7 / 120.1
-    bfloat16  1 row 27.7 / 32.0 / 20.1   8 rows 38.2 / 41.2 / 29.1   256 rows 410 / 408 / 387
+- where the native kernels run and memory allows two copies, the few-row copy serves 1 to `FEW_ROWS`
+  rows, where it beats oneDNN's blocked kernel, and the transposed copy the rest, where it beats the
+  blocked one: no blocked copy;
+- otherwise float32 weights are kept blocked for steps of 2 rows or more, where the blocked layout
+  wins, plus a transposed copy for single-row steps, where it loses, when memory allows (it doubles
+  the projections' footprint); with one copy only, the blocked one for every row count, as it loses
+  less where it loses. On a CPU where the transposed copy won the projections above 32 rows, whole
+  steps barely differed, so one rule serves both;
+- bfloat16 weights live only in the blocked layout, the fastest at every row count.
 
-and the tied 49,152-row logits head, float32, 8 rows: 18.8 / 11.6 / 7.8. The same CPU model in a
-slower phase (2026-12-04, transposed / blocked) gave 1 row 34.1 / 27.0, 2 rows 79.2 / 49.7, 4 rows
-107 / 56, 58 rows 145 / 120, 200 rows 437 / 366, 1,050 rows 2,180 / 1,769 (and the whole model's
-batch-1 decode step 51 / 62 ms). Where the blocked layout lost, it took about a third longer (1 row
-and 64 rows, 2026-12-03); where the transposed one lost, a fifth to nine tenths longer (2 rows and
-up, 2026-12-04). So float32 weights are kept blocked for steps of 2 rows or more, plus a transposed
-copy for single-row steps when memory allows (it doubles the projections' footprint); bfloat16
-weights live only in the blocked layout.
-On an Intel Xeon VM with AVX-512 (2026-12-04 night) the projections alone favoured the transposed
-copy above 32 rows (64 rows 70.7 / 85.2, 1,050 rows 714 / 894), yet the whole model, blocked for
-2-32 rows against 2 rows and up, differed by 2% at most (prefill 1,024 tokens 1,089 / 1,108 ms,
-decode batch 64 160 / 161 ms a step), so one rule serves both CPUs.
-The native few-row kernel (`kernels/prefixcache/kernels/cpu/few_row_linear.cpp`, float32, AVX-512) streams a third
-layout, panels of 32 output columns, with software prefetches. On the Intel Xeon VM (2026-12-05), all
-projections of the 30 layers, weights not in cache, ms (oneDNN blocked / few-row): 1 row 21.5 / 15.9,
-2 rows 21.9 / 17.2, 4 rows 22.0 / 18.9, 8 rows 25.7 / 20.9, 16 rows 31.9 / 26.6, 64 rows 71.3 / 59.0,
-128 rows 110 / 101, 192 rows 150 / 143, 256 rows 189 / 188 (the transposed copy, 1 row: 15.1).
-Where it runs, it serves 1 to 128 rows and the transposed copy the rest: on that VM (2026-12-05) the
-whole model's prefill took, ms, transposed / blocked above 128 rows: 160 tokens 176 / 197, 300 tokens
-323 / 335, 1,074 tokens 1,147 / 1,171, 2,048 tokens 2,502 / 2,573 (medians of six, interleaved); and
-the projections alone, 160 rows, 146 / 155-166. So no blocked copy is made there.
-Where every weight of a matrix is exactly a GGUF Q4_1 or Q8_0 block's d * q (+ m) (the embedded
-model's, dequantized), the few-row copy holds those 4- or 8-bit blocks instead of float32 panels
-(`kernels/prefixcache/kernels/cpu/few_row_blocks.cpp`): the same bits out, a fifth (a quarter) of the bytes to stream. On
-the Intel Xeon VM (2026-12-05, later), all projections of the 30 layers, weights not in cache, ms
-(float32 panels / blocks, `benchmarks/few_row_linear.py`): 1 row 17.9 / 4.5, 8 rows 24.9 / 8.2, 64
-rows 69.1 / 55.7, 128 rows 120 / 118; the tied logits head, 8 rows, 6.0 / 2.1.
 The choice is fixed, not timed at start-up: the layouts' float32 results differ by up to 1e-4,
 and workers of one deployment must agree on greedy tokens.
 """

@@ -1,6 +1,6 @@
 """The native CPU kernels (`cpu/*.cpp`): built once per machine, then loaded.
 
-The first process that asks builds them with torch's extension builder (about 30 s on two cores)
+The first process that asks builds them with torch's extension builder (tens of seconds)
 into `$TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), which later processes reuse; a
 file lock there keeps concurrent builders apart. Building needs a C++ compiler and ninja (the
 `worker` extra installs ninja). Where they cannot run (no AVX-512, a failed build, or

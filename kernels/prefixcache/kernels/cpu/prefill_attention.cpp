@@ -3,8 +3,8 @@
 // Why it exists: torch's CPU flash kernel needs contiguous keys and values (a chunk after cached
 // context pays a gather, and two calls merged by their log-sum-exp) and reaches about half of this
 // CPU's float32 peak on SmolLM2's shapes. This kernel reads the keys and values through the block
-// table and keeps both matrix products in registers: 1.25-1.35x torch's kernel on a 1,074-token
-// prefill and on 125 new tokens after 992 cached (`benchmarks/kernels_cpu.py`).
+// table and keeps both matrix products in registers, which makes it faster than torch's kernel on
+// fresh prefills and on chunks after cached context alike (`benchmarks/kernels_cpu.py` compares them).
 //
 // Work: one item per (key/value head, tile of query tokens). An item's rows are its tokens times the
 // query heads sharing that key/value head (GQA), so every key tile copied out of the cache serves all

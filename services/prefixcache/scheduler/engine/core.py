@@ -5,10 +5,9 @@ outputs to its own unbounded queue (so a slow client never holds up the loop). C
 queue through the iterator `add_request` returns; leaving that iterator early aborts the request.
 
 If the worker is lost, every in-flight request that has streamed tokens ends with `EngineUnavailable`,
-all blocks and every cached hash are dropped (the KV memory died with the worker), and the worker is
-initialized again, with backoff, before new requests are admitted. Requests that have streamed nothing
-yet wait for that worker and then run from the start: their clients never see the loss (a worker
-restarted while the engine was idle is only noticed by the next request's step).
+the cache manager is replaced by an empty one, and the worker is initialized again, with backoff,
+before new requests are admitted; requests that have streamed nothing yet wait for that worker and
+run from the start (`recovery.WorkerRecovery`).
 
 Pure asyncio: the transport lives in the `StepExecutor` (the gRPC worker client, or
 `local_executor.LocalExecutor` over a model runner in this process).
@@ -20,83 +19,22 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 from prefixcache.block_identity.hashing import BlockHasher
 from prefixcache.rpc.quoting import quoted
+from prefixcache.scheduler.config import SchedulerConfig
+from prefixcache.scheduler.engine.admission import check_fits_worker, effective_max_model_len
+from prefixcache.scheduler.engine.errors import EngineUnavailable, QueueFull, RequestRejected
+from prefixcache.scheduler.engine.executor import StepExecutor, WorkerInfo, WorkerUnavailable
+from prefixcache.scheduler.engine.recovery import WORKER_LOST, WorkerRecovery
 from prefixcache.scheduler.kv_cache import CacheStats, KVCacheManager
 from prefixcache.scheduler.metrics import SchedulerMetrics
-from prefixcache.scheduler.policy import Scheduler, SchedulerConfig
+from prefixcache.scheduler.policy import SchedulingPolicy
 from prefixcache.scheduler.request import FINISH_ABORT, EngineRequest, RequestOutput, Usage
 from prefixcache.step.messages import SchedulerStep, StepOutput
 
-__all__ = [
-    "EngineCore",
-    "EngineRequest",
-    "EngineUnavailable",
-    "QueueFull",
-    "RequestOutput",
-    "RequestRejected",
-    "SchedulerConfig",
-    "StepExecutor",
-    "Usage",
-    "WorkerInfo",
-    "WorkerUnavailable",
-]
-
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    """The worker's description of its model and KV cache."""
-
-    model_id: str  # names the exact weights; part of every block hash
-    vocab_size: int
-    max_model_len: int
-    num_kv_blocks: int  # blocks of the scheduler's block size the worker's KV cache holds
-    eos_token_ids: tuple[int, ...] = ()
-    dtype: str = ""
-    supports_multimodal: bool = False
-    tokenizer_id: str = ""  # of the model's tokenizer.json; "" when unknown
-
-
-class WorkerUnavailable(Exception):
-    """Raised by a StepExecutor when the worker is gone (crashed, unreachable)."""
-
-
-class EngineUnavailable(Exception):
-    """The engine cannot serve: the worker is down (or restarting), or the engine is stopping."""
-
-
-class QueueFull(Exception):
-    """The waiting queue is full; the client should retry later."""
-
-
-class RequestRejected(ValueError):
-    """Bad input, detected before the request was queued. `field` names the offending field."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-
-class StepExecutor(Protocol):
-    async def initialize(self, block_size: int) -> WorkerInfo:
-        """(Re)initialize the worker's KV cache for this block size and describe the model."""
-        ...
-
-    async def execute(self, step: SchedulerStep) -> StepOutput:
-        """Run one step. Raises WorkerUnavailable if the worker is gone."""
-        ...
-
-
-_RECOVERY_BACKOFF_S = (0.05, 2.0)  # first and longest wait between re-initialization attempts
-# Requests held for a new worker wait at most this long for the first try to answer: a worker that
-# accepts the call but hangs would otherwise hold them for the whole initialization timeout.
-HELD_REQUESTS_WAIT_S = 10.0
-_WORKER_LOST = "the worker was lost; retry the request"
 _STOPPED_AFTER_ERROR = "the engine stopped serving after an internal error"
 
 
@@ -122,16 +60,10 @@ class EngineCore:
         self.config = config
         self.metrics = metrics or SchedulerMetrics()
         self._executor = executor
-        self._scheduler: Scheduler | None = None
+        self._policy: SchedulingPolicy | None = None
         self._worker_info: WorkerInfo | None = None
         self._streams: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
-        # Requests that had streamed nothing when the worker was lost: resubmitted once it is back,
-        # once only (a request that brings the worker down again, e.g. by running it out of memory,
-        # must not do so forever).
-        self._held: dict[str, EngineRequest] = {}
-        self._held_counted: set[str] = set()  # held requests already in the prefix-cache counters
-        self._resubmitted: set[str] = set()
-        self.held_requests_wait_s = HELD_REQUESTS_WAIT_S
+        self._recovery = WorkerRecovery(lambda: self._executor.initialize(self.config.block_size), self._fail_stream)
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()  # set when no request is in flight
         self._idle.set()
@@ -178,9 +110,9 @@ class EngineCore:
                      exc_info=task.exception())
         self._serving = False
         self._crashed = True
-        self._held = {}
-        if self._scheduler is not None:
-            self._scheduler.drop_all()
+        self._recovery.drop_held()
+        if self._policy is not None:
+            self._policy.drop_all()
         for request_id in list(self._streams):
             self._fail_stream(request_id, _STOPPED_AFTER_ERROR)
         self._crash_announcement = asyncio.ensure_future(self._announce_crash())
@@ -199,12 +131,21 @@ class EngineCore:
 
     @property
     def num_running(self) -> int:
-        return self._scheduler.num_running if self._scheduler else 0
+        return self._policy.num_running if self._policy else 0
 
     @property
     def num_waiting(self) -> int:
         """Requests waiting for admission, and those held for a new worker."""
-        return (self._scheduler.num_waiting if self._scheduler else 0) + len(self._held)
+        return (self._policy.num_waiting if self._policy else 0) + self._recovery.num_held
+
+    @property
+    def held_requests_wait_s(self) -> float:
+        """How long requests held through a worker loss wait for the first try to bring a worker back."""
+        return self._recovery.held_requests_wait_s
+
+    @held_requests_wait_s.setter
+    def held_requests_wait_s(self, seconds: float) -> None:
+        self._recovery.held_requests_wait_s = seconds
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -223,10 +164,10 @@ class EngineCore:
         into "stop", a tokenizer that failed mid-stream makes it "error"). The engine counts only
         the streams it fails itself (the worker lost)."""
         self.validate(request)
-        assert self._scheduler is not None
-        if self._scheduler.num_waiting >= self.config.max_waiting:
-            raise QueueFull(f"{self._scheduler.num_waiting} requests are waiting (max_waiting={self.config.max_waiting})")
-        self._scheduler.add_request(request)
+        assert self._policy is not None
+        if self._policy.num_waiting >= self.config.max_waiting:
+            raise QueueFull(f"{self._policy.num_waiting} requests are waiting (max_waiting={self.config.max_waiting})")
+        self._policy.add_request(request)
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self._streams[request.request_id] = queue
         self._idle.clear()
@@ -262,12 +203,12 @@ class EngineCore:
         ("abort" unless the caller ended it for another reason, a stop string: "stop"), which is
         also returned, for a caller that no longer reads the stream. Unknown or finished ids are
         ignored (None)."""
-        held = self._held.pop(request_id, None)
+        held = self._recovery.release(request_id)
         if held is not None:  # waiting for a worker: it has no state anywhere else
             output = RequestOutput(request_id, [], True, reason, Usage(len(held.prompt_token_ids), 0, 0))
             self._deliver(output)
             return output
-        output = self._scheduler.abort(request_id, reason) if self._scheduler is not None else None
+        output = self._policy.abort(request_id, reason) if self._policy is not None else None
         if output is not None:
             self._deliver(output)
             self._wakeup.set()  # tell the worker to drop it
@@ -276,80 +217,40 @@ class EngineCore:
     def validate(self, request: EngineRequest) -> None:
         """Raise EngineUnavailable, or RequestRejected if the request cannot run on this worker
         (add_request checks too)."""
-        if not self._serving or self._scheduler is None:
+        if not self._serving or self._policy is None:
             raise EngineUnavailable("the engine is stopping" if self._stopping
                                     else _STOPPED_AFTER_ERROR if self._crashed else "the worker is not available")
         if request.request_id in self._streams:
             raise RequestRejected("request_id", f"{quoted(request.request_id)} is already in flight")
-        self._check_fits_worker(request)
-
-    def _check_fits_worker(self, request: EngineRequest) -> None:
         assert self._worker_info is not None
-        info = self._worker_info
-        prompt = request.prompt_token_ids
-        if not prompt:
-            raise RequestRejected("prompt_token_ids", "the prompt is empty")
-        bad = next((t for t in prompt if not 0 <= t < info.vocab_size), None)
-        if bad is not None:
-            raise RequestRejected("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {info.vocab_size})")
-        if request.max_tokens <= 0:
-            raise RequestRejected("max_tokens", f"must be positive, got {request.max_tokens}")
-        if request.sampling.logprobs > info.vocab_size:
-            raise RequestRejected("logprobs", f"asks for {request.sampling.logprobs} alternatives; "
-                                  f"the vocabulary has {info.vocab_size} tokens")
-        max_len = self.max_model_len
-        if len(prompt) >= max_len:
-            raise RequestRejected(
-                "prompt_token_ids", f"the prompt ({len(prompt)} tokens) leaves no room to generate within the "
-                f"maximum length {max_len}")
-        if len(prompt) + request.max_tokens > max_len:
-            raise RequestRejected(
-                "max_tokens",
-                f"prompt ({len(prompt)} tokens) + max_tokens ({request.max_tokens}) exceeds the maximum length {max_len}",
-            )
-        # KV slots a request can hold at once: every token but the last one generated, which is
-        # sampled and never fed back.
-        block_size = self.config.block_size
-        prompt_blocks = -(-len(prompt) // block_size)
-        if prompt_blocks > info.num_kv_blocks:
-            raise RequestRejected(
-                "prompt_token_ids",
-                f"the prompt ({len(prompt)} tokens) needs {prompt_blocks} KV blocks; "
-                f"the worker has {info.num_kv_blocks}",
-            )
-        blocks_needed = -(-(len(prompt) + request.max_tokens - 1) // block_size)
-        if blocks_needed > info.num_kv_blocks:
-            raise RequestRejected(
-                "max_tokens",
-                f"prompt + max_tokens needs {blocks_needed} KV blocks; the worker has {info.num_kv_blocks}",
-            )
-        if problem := request.sampling.problem():
-            raise RequestRejected(*problem)
-        if request.extras.mm_items and not info.supports_multimodal:
-            raise RequestRejected("multimodal", f"the model {info.model_id!r} takes text only")
-        bad_stop = next((t for t in request.stop_token_ids if not 0 <= t < info.vocab_size), None)
-        if bad_stop is not None:
-            raise RequestRejected("stop_token_ids", f"token id {bad_stop} is outside the vocabulary")
+        check_fits_worker(request, self._worker_info, self.config)
 
     @property
     def max_model_len(self) -> int:
-        limit = self.config.max_model_len
-        return min(limit, self._worker_info.max_model_len) if self._worker_info else limit
+        return effective_max_model_len(self.config, self._worker_info)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Prompt plus output a request can hold at most: within the model's length and the whole KV cache."""
+        info = self._worker_info
+        if info is None:
+            return self.max_model_len
+        return min(self.max_model_len, info.num_kv_blocks * self.config.block_size)
 
     # ---- cache ----------------------------------------------------------------------------------
 
     def cache_stats(self) -> CacheStats:
         """Block counts of the KV cache now; queries, hits and evictions (to make room, not by a
         reset) since the engine started, which outlive the cache manager a worker loss replaces."""
-        if self._scheduler is None:
+        if self._policy is None:
             raise EngineUnavailable("the engine has not started")
-        counters = self._scheduler.counters
-        return replace(self._scheduler.kv_cache.stats(), queries=counters.queried_tokens,
+        counters = self._policy.counters
+        return replace(self._policy.kv_cache.stats(), queries=counters.queried_tokens,
                        hits=counters.hit_tokens, evictions=counters.evictions)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash. Refused (False) while any request holds blocks."""
-        return self._scheduler is not None and self._scheduler.kv_cache.reset_prefix_cache()
+        return self._policy is not None and self._policy.kv_cache.reset_prefix_cache()
 
     # ---- the step loop --------------------------------------------------------------------------
 
@@ -357,32 +258,32 @@ class EngineCore:
         """Size a fresh KV cache manager (no cached hashes) from the worker's description."""
         hasher = BlockHasher(self.config.block_size, self.config.hash_algo, info.model_id)
         kv_cache = KVCacheManager(info.num_kv_blocks, hasher, enable_caching=self.config.enable_prefix_caching)
-        counters = self._scheduler.counters if self._scheduler else None
+        counters = self._policy.counters if self._policy else None
         self._worker_info = info
-        self._scheduler = Scheduler(self.config, kv_cache, info.eos_token_ids, self.max_model_len, counters)
-        self.metrics.bind(self._scheduler, held=lambda: len(self._held))
+        self._policy = SchedulingPolicy(self.config, kv_cache, info.eos_token_ids, self.max_model_len, counters)
+        self.metrics.bind(self._policy, held=lambda: self._recovery.num_held)
 
     async def _step_loop(self) -> None:
         """Schedule, execute, apply, deliver. While a step runs, the next one is scheduled and sent
-        ahead when the scheduler says it can be (decodes only, nobody waiting): the worker runs steps
+        ahead when the policy says it can be (decodes only, nobody waiting): the worker runs steps
         in the order they were sent, so it starts the next as soon as it is free."""
         running: _SentStep | None = None  # the oldest step in flight
         ahead: _SentStep | None = None
         try:
             while True:
-                scheduler = self._scheduler
-                assert scheduler is not None
-                if running is None and not scheduler.has_work():
+                policy = self._policy
+                assert policy is not None
+                if running is None and not policy.has_work():
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
                 try:
                     if running is None:
-                        running = self._send(scheduler.schedule())
-                    if self.config.schedule_ahead and scheduler.can_schedule_ahead():
-                        ahead = self._send(scheduler.schedule())
+                        running = self._send(policy.schedule())
+                    if self.config.schedule_ahead and policy.can_schedule_ahead():
+                        ahead = self._send(policy.schedule())
                     output = await running.result
-                    outputs = scheduler.update_from_output(running.step, output)
+                    outputs = policy.update_from_output(running.step, output)
                 except Exception as error:
                     if not isinstance(error, WorkerUnavailable):  # a bug or an answer that does not fit the step
                         log.exception("step failed; treating the worker state as lost")
@@ -414,85 +315,31 @@ class EngineCore:
 
     def _end_stream(self, request_id: str) -> None:
         del self._streams[request_id]
-        self._resubmitted.discard(request_id)
+        self._recovery.stream_ended(request_id)
         if not self._streams:
             self._idle.set()
 
     async def _recover(self, error: Exception) -> None:
         """The worker is gone: fail the requests that streamed tokens, drop the cache, bring a worker
-        back. Requests that streamed nothing run again from the start only if a worker answers at
-        the first try, within `held_requests_wait_s` (one restarted while the engine was idle, which
-        only the next step finds out); otherwise they end UNAVAILABLE too, rather than wait an
-        unknown time for one."""
+        back and run the held requests on it (`WorkerRecovery` says which and when)."""
         self._serving = False
-        assert self._scheduler is not None
-        self._held_counted = {request.request_id for request in self._scheduler.requests.values() if request.kv.counted}
-        self._held = {request_id: engine_request for request_id, engine_request in self._scheduler.drop_all()
-                      if request_id in self._streams and engine_request is not None
-                      and request_id not in self._resubmitted}
-        failed = [request_id for request_id in self._streams if request_id not in self._held]
+        assert self._policy is not None
+        failed = self._recovery.hold(self._policy, self._streams)
         log.warning("worker lost (%s); failing %d requests, holding %d that streamed nothing yet, "
-                    "re-initializing", error, len(failed), len(self._held))
+                    "re-initializing", error, len(failed), self._recovery.num_held)
         await self._announce_worker_availability(False)
         self.metrics.worker_lost()
         for request_id in failed:
             # The error names the worker's address: it stays in the log above, not in a client's status.
-            self._fail_stream(request_id, _WORKER_LOST)
-        info = await self._initialize_worker()
+            self._fail_stream(request_id, WORKER_LOST)
+        info = await self._recovery.initialize_worker()
         self._install_worker(info)
-        self._resubmit_held()
+        self._recovery.resubmit(self._policy, lambda request: check_fits_worker(request, info, self.config))
+        self._wakeup.set()
         self._serving = not self._stopping
         log.info("worker re-initialized: %d KV blocks, cache empty", info.num_kv_blocks)
         if self._serving:
             await self._announce_worker_availability(True)
-
-    async def _initialize_worker(self) -> WorkerInfo:
-        """Initialize the worker's cache, retrying with backoff until it answers; the held requests
-        end UNAVAILABLE as soon as the first try fails, or once it has been out for
-        `held_requests_wait_s`."""
-        delay, longest = _RECOVERY_BACKOFF_S
-        while True:
-            attempt = asyncio.ensure_future(self._executor.initialize(self.config.block_size))
-            try:
-                if self._held:
-                    await asyncio.wait({attempt}, timeout=self.held_requests_wait_s)
-                    if not attempt.done():
-                        self._fail_held(f"no answer within {self.held_requests_wait_s:.0f}s")
-                return await attempt
-            except Exception as retry_error:  # not back yet, or back but failing: keep trying
-                self._fail_held("it failed")
-                # Unreachable is expected while it restarts; a worker that answers and refuses (its
-                # KV budget holds no block) needs someone to change its settings.
-                level = logging.INFO if isinstance(retry_error, WorkerUnavailable) else logging.ERROR
-                log.log(level, "worker not back yet (%s); retrying in %.2fs", retry_error, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, longest)
-            finally:
-                attempt.cancel()  # a no-op once it finished; stops a try still out when we are cancelled
-
-    def _fail_held(self, why: str) -> None:
-        """End the requests held for a new worker, whose first try to come back did not answer."""
-        if not self._held:
-            return
-        log.warning("first try to bring the worker back: %s; failing the %d held requests", why, len(self._held))
-        held, self._held = self._held, {}
-        for request_id in held:
-            self._fail_stream(request_id, _WORKER_LOST)
-
-    def _resubmit_held(self) -> None:
-        """Queue the held requests on the new worker's scheduler (failing any the new worker cannot
-        serve, e.g. a smaller vocabulary)."""
-        assert self._scheduler is not None
-        held, self._held = self._held, {}
-        for request_id, request in held.items():
-            try:
-                self._check_fits_worker(request)
-            except RequestRejected as rejection:
-                self._fail_stream(request_id, f"the new worker cannot serve it: {rejection}")
-                continue
-            self._scheduler.add_request(request, counted=request_id in self._held_counted)
-            self._resubmitted.add(request_id)
-        self._wakeup.set()
 
     def _fail_stream(self, request_id: str, message: str) -> None:
         """End a request's stream with EngineUnavailable (it has no final output to count it)."""

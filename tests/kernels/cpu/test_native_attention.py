@@ -1,5 +1,5 @@
-"""The native CPU attention (`kernels/prefixcache/kernels/cpu/prefill_attention.cpp`, `decode_attention.cpp`) against the
-plain-torch reference.
+"""The native CPU attention (`cpu/prefill_attention.cpp`, `cpu/decode_attention.cpp`) against the plain-torch
+reference.
 
 Skipped only where the kernel cannot run by design (no AVX-512): on a machine that has it, a kernel
 that fails to build fails these tests rather than hiding behind the torch fallback.
@@ -10,10 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixcache.kernels import AttentionMetadata, get_attention_backend, paged_attention_reference
-from prefixcache.kernels.cpu.attention import TorchAttentionPlan
+from prefixcache.kernels import get_attention_backend
 from prefixcache.kernels.cpu.native import DISABLE_ENV, native_cpu_kernels
-from prefixcache.kernels.reference import reshape_and_cache_reference
 
 pytestmark = pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
                                 reason="the native prefill attention needs AVX-512")
@@ -29,17 +27,6 @@ def device() -> torch.device:
 @pytest.fixture(scope="module")
 def kernel(kernels):
     return kernels.prefill_attention
-
-
-def _written(batch) -> AttentionMetadata:
-    meta = AttentionMetadata.build(batch.query_lens, batch.seq_lens, batch.block_tables, batch.block_size, CPU)
-    reshape_and_cache_reference(batch.key, batch.value, batch.key_cache, batch.value_cache, meta.slot_mapping)
-    return meta
-
-
-def _reference(batch) -> torch.Tensor:
-    return paged_attention_reference(batch.query, batch.key_cache, batch.value_cache, batch.query_lens,
-                                     batch.seq_lens, batch.block_tables, batch.scale)
 
 
 # (cached context, new tokens), kv heads, query heads per kv head, head_dim, block_size
@@ -59,27 +46,27 @@ def test_matches_the_reference(kernel, paged_batch, relative_error, sequence, nu
                                block_size):
     batch = paged_batch([sequence], block_size=block_size, num_kv_heads=num_kv_heads, queries_per_kv=queries_per_kv,
                         head_dim=head_dim)
-    _written(batch)
+    batch.write_new_kv()
     blocks = torch.tensor(batch.block_tables[0], dtype=torch.int64)
     out = kernel(batch.query, batch.key_cache, batch.value_cache, blocks, batch.seq_lens[0], batch.scale)
-    assert relative_error(out, _reference(batch)) < 2e-6
+    assert relative_error(out, batch.reference_attention()) < 2e-6
 
 
 def test_strided_queries(kernel, paged_batch, relative_error):
     """Queries are views into the fused QKV projection: rows farther apart than the heads span."""
     batch = paged_batch([(20, 40)], block_size=16, num_kv_heads=3, queries_per_kv=3, head_dim=64)
-    _written(batch)
+    batch.write_new_kv()
     padded = torch.zeros(40, 9 + 6, 64)
     padded[:, :9] = batch.query
     blocks = torch.tensor(batch.block_tables[0], dtype=torch.int64)
     out = kernel(padded[:, :9], batch.key_cache, batch.value_cache, blocks, batch.seq_lens[0], batch.scale)
-    assert relative_error(out, _reference(batch)) < 2e-6
+    assert relative_error(out, batch.reference_attention()) < 2e-6
 
 
 def test_a_row_does_not_depend_on_how_the_prompt_was_chunked(kernel, paged_batch):
     """Cold, in one chunk, or after 48 cached positions: the same bits, so a cache hit changes nothing."""
     batch = paged_batch([(0, 150)], block_size=16, num_kv_heads=3, queries_per_kv=3, head_dim=64)
-    _written(batch)
+    batch.write_new_kv()
     blocks = torch.tensor(batch.block_tables[0], dtype=torch.int64)
     args = (batch.key_cache, batch.value_cache, blocks)
     whole = kernel(batch.query, *args, 150, batch.scale)
@@ -93,35 +80,35 @@ def test_the_torch_backend_sends_prefills_and_decodes_to_them(kernel, paged_batc
     """A mixed step: fresh prefills, chunks after context and decodes go native."""
     sequences = [(0, 37), (40, 25), (30, 1), (64, 1), (0, 1)]
     batch = paged_batch(sequences, block_size=16, num_kv_heads=3, queries_per_kv=3, head_dim=64)
-    meta = _written(batch)
+    meta = batch.write_new_kv()
     backend = get_attention_backend("torch", CPU)
     out = backend.attend(batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, meta, batch.scale)
     plan = meta.backend_cache[("torch", 16, True)]
     assert [prefill.seq_len for prefill in plan.native_prefills] == [37, 65]
     assert plan.native_decodes.seq_lens.tolist() == [31, 65] and not plan.decode_batches
     assert len(plan.fresh_prefills) == 1 and not plan.context_prefills  # the one-token prompt
-    assert relative_error(out, _reference(batch)) < 2e-6
+    assert relative_error(out, batch.reference_attention()) < 2e-6
 
 
 def test_head_dims_it_does_not_cover_stay_on_the_torch_path(kernel, paged_batch, relative_error):
     batch = paged_batch([(0, 20), (12, 9), (30, 1)], block_size=8, num_kv_heads=2, queries_per_kv=3, head_dim=32)
-    meta = _written(batch)
+    meta = batch.write_new_kv()
     backend = get_attention_backend("torch", CPU)
     out = backend.attend(batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, meta, batch.scale)
     plan = meta.backend_cache[("torch", 8, False)]
     assert not plan.native_prefills and len(plan.fresh_prefills) == len(plan.context_prefills) == 1
     assert plan.native_decodes is None and len(plan.decode_batches) == 1
-    assert relative_error(out, _reference(batch)) < 2e-6
+    assert relative_error(out, batch.reference_attention()) < 2e-6
 
 
 def test_more_than_16_queries_per_kv_head_stay_on_the_torch_path(kernel, paged_batch, relative_error):
     """The decode kernel keeps a kv head's queries in registers, 16 at most: wider groups fall back."""
     batch = paged_batch([(0, 9), (20, 1)], block_size=16, num_kv_heads=1, queries_per_kv=32, head_dim=64)
-    meta = _written(batch)
+    meta = batch.write_new_kv()
     backend = get_attention_backend("torch", CPU)
     out = backend.attend(batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, meta, batch.scale)
     assert ("torch", 16, False) in meta.backend_cache
-    assert relative_error(out, _reference(batch)) < 2e-6
+    assert relative_error(out, batch.reference_attention()) < 2e-6
 
 
 def test_bad_arguments_are_refused_not_read(kernels, paged_batch):
@@ -148,7 +135,7 @@ def test_bad_arguments_are_refused_not_read(kernels, paged_batch):
 def test_a_nan_in_the_cache_shows_in_the_output(kernels, paged_batch):
     """As with torch's kernels: corrupt keys must not be silently averaged away."""
     batch = paged_batch([(30, 2)], block_size=16, num_kv_heads=3, queries_per_kv=3, head_dim=64)
-    _written(batch)
+    batch.write_new_kv()
     batch.key_cache[batch.block_tables[0][1], 3, 0, 5] = float("nan")  # position 19, kv head 0
     blocks = torch.tensor(batch.block_tables[0])
     prefill = kernels.prefill_attention(batch.query, batch.key_cache, batch.value_cache, blocks, 32, batch.scale)
@@ -193,13 +180,13 @@ def test_decodes_match_the_reference(kernels, paged_batch, relative_error, num_k
     sequences = [(0, 1), (14, 1), (15, 1), (16, 1), (511, 1), (512, 1), (1100, 1)]
     batch = paged_batch(sequences, block_size=block_size, num_kv_heads=num_kv_heads, queries_per_kv=queries_per_kv,
                         head_dim=head_dim)
-    _written(batch)
-    assert relative_error(_decode(kernels, batch), _reference(batch)) < 2e-6
+    batch.write_new_kv()
+    assert relative_error(_decode(kernels, batch), batch.reference_attention()) < 2e-6
 
 
 def test_a_decode_does_not_depend_on_the_rest_of_the_batch(kernels, paged_batch):
     batch = paged_batch([(700, 1), (40, 1), (1030, 1)], block_size=16, num_kv_heads=3, queries_per_kv=3, head_dim=64)
-    _written(batch)
+    batch.write_new_kv()
     together = _decode(kernels, batch)
     batch.query, batch.block_tables, batch.seq_lens = batch.query[2:], batch.block_tables[2:], batch.seq_lens[2:]
     assert torch.equal(_decode(kernels, batch), together[2:])
@@ -214,17 +201,3 @@ def test_decode_rows_outside_the_batch_are_refused(kernels, paged_batch):
     with pytest.raises(RuntimeError, match="more positions than its table holds"):
         kernels.decode_attention(batch.query, torch.tensor([0]), batch.key_cache, batch.value_cache, tables,
                                  torch.tensor([200]), batch.scale, torch.empty_like(batch.query))
-
-
-@pytest.mark.parametrize("shared_blocks,cascaded", [(64, False), (74, True)])
-def test_beside_the_native_decode_kernel_only_large_shared_prefixes_cascade(kernels, shared_blocks, cascaded):
-    """8 decodes sharing 64 blocks save 7 x 1,024 re-read positions, under the 8,192 a cascade needs
-    there; sharing 74 blocks saves 8,288. The torch path alone cascades both (256)."""
-    shared = list(range(shared_blocks))
-    tables = [shared + [shared_blocks + i] for i in range(8)]
-    seq_len = shared_blocks * 16 + 5
-    meta = AttentionMetadata.build([1] * 8, [seq_len] * 8, tables, 16, CPU)
-    native_plan = TorchAttentionPlan.build(meta, 16, native=True)
-    assert bool(native_plan.cascades) == cascaded
-    assert (native_plan.native_decodes is None) == cascaded
-    assert len(TorchAttentionPlan.build(meta, 16).cascades) == 1

@@ -1,4 +1,4 @@
-"""The native elementwise kernels (`kernels/prefixcache/kernels/cpu/rms_norm.cpp`, `elementwise.cpp`) against the model's torch code."""
+"""The native elementwise kernels (`cpu/rms_norm.cpp`, `cpu/elementwise.cpp`) against the model's torch code."""
 
 from __future__ import annotations
 

@@ -5,26 +5,17 @@ What matters for a fair comparison: every stream the driver starts is open on th
 so vLLM sees the same concurrency as our engine does.
 """
 import asyncio
-import importlib.util
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
+import vs_vllm
 
 from prefixcache.bench.driver import TenantSalts, drive
 from prefixcache.bench.workloads import BenchRequest
 
-BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "vs_vllm.py"
 CONCURRENCY = 12  # above asyncio's default pool on small machines (min(32, CPUs + 4))
-
-
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("vs_vllm", BENCHMARK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class CompletionsHandler(BaseHTTPRequestHandler):
@@ -67,7 +58,6 @@ def completions_server():
 
 def test_every_stream_is_open_at_once_and_usage_is_read(completions_server):
     port, handler = completions_server
-    vs_vllm = load_benchmark()
     endpoint = vs_vllm.VllmEndpoint(port, max_streams=CONCURRENCY, request_timeout_s=30)
     requests = [BenchRequest(f"r{i}", tuple(range(17, 57)), max_tokens=2, tenant=0) for i in range(CONCURRENCY)]
     try:

@@ -1,8 +1,8 @@
 """Random workloads (arrivals sharing prefixes, stop tokens, aborts, a small KV pool, small budgets)
-driven through the scheduler and the checking simulated worker, also aborting while a step runs, one
-step at a time and scheduling ahead (the worker runs a step as soon as it is sent; the scheduler
+driven through the policy and the checking simulated worker, also aborting while a step runs, one
+step at a time and scheduling ahead (the worker runs a step as soon as it is sent; the policy
 learns its tokens after scheduling the next): every request gets exactly the tokens it would get
-alone, the worker's view always matches the scheduler's, and no block is left held."""
+alone, the worker's view always matches the policy's, and no block is left held."""
 from __future__ import annotations
 
 import asyncio
@@ -14,8 +14,9 @@ import pytest
 from sim_worker import SimulatedWorker, reference_generation
 
 from prefixcache.block_identity.hashing import BlockHasher
+from prefixcache.scheduler.config import SchedulerConfig
 from prefixcache.scheduler.kv_cache import KVCacheManager
-from prefixcache.scheduler.policy import Scheduler, SchedulerConfig
+from prefixcache.scheduler.policy import SchedulingPolicy
 from prefixcache.scheduler.request import EngineRequest
 from prefixcache.step.messages import SamplingParams, SchedulerStep
 
@@ -45,7 +46,7 @@ def run_workload(seed: int, ahead: bool):
         enable_prefix_caching=rng.random() < 0.8,
     )
     kv = KVCacheManager(num_blocks, BlockHasher(BLOCK, "sha256", "sim-model"), config.enable_prefix_caching)
-    scheduler = Scheduler(config, kv)
+    policy = SchedulingPolicy(config, kv)
     worker = SimulatedWorker(num_kv_blocks=num_blocks, vocab_size=VOCAB)
     asyncio.run(worker.initialize(BLOCK))
 
@@ -67,38 +68,38 @@ def run_workload(seed: int, ahead: bool):
     requests = {r.request_id: r for r in to_arrive}
     tokens: dict[str, list[int]] = {rid: [] for rid in requests}
     finish: dict[str, str] = {}
-    in_flight: deque = deque()  # steps the worker has run whose outputs the scheduler has not seen
+    in_flight: deque = deque()  # steps the worker has run whose outputs the policy has not seen
     steps_ahead = preempted_in_flight = 0
 
     def send() -> SchedulerStep:
-        step = scheduler.schedule()
+        step = policy.schedule()
         in_flight.append((step, worker.run(step)))
         # the worker holds exactly the running requests: new ones sent, finished/preempted ones dropped
-        assert set(worker.requests) == {r.request_id for r in scheduler.running}
+        assert set(worker.requests) == {r.request_id for r in policy.running}
         return step
 
     for _ in range(5000):
         if to_arrive and rng.random() < 0.6:
-            scheduler.add_request(to_arrive.pop(0))
+            policy.add_request(to_arrive.pop(0))
         # Aborts only while requests still arrive: one stuck afterwards must fail the drain.
-        if to_arrive and scheduler.requests and rng.random() < 0.03:
-            aborted = scheduler.abort(rng.choice(list(scheduler.requests)))
+        if to_arrive and policy.requests and rng.random() < 0.03:
+            aborted = policy.abort(rng.choice(list(policy.requests)))
             finish[aborted.request_id] = aborted.finish_reason
-        if not to_arrive and not scheduler.has_work() and not in_flight:
+        if not to_arrive and not policy.has_work() and not in_flight:
             break
         if not in_flight:
             send()
-        if ahead and scheduler.can_schedule_ahead():
+        if ahead and policy.can_schedule_ahead():
             dropped = send().finished_request_ids
             steps_ahead += 1
             # preempted while the step before samples for them
-            preempted_in_flight += len(set(dropped) & set(in_flight[0][0].num_scheduled_tokens) & set(scheduler.requests))
+            preempted_in_flight += len(set(dropped) & set(in_flight[0][0].num_scheduled_tokens) & set(policy.requests))
         step, worker_output = in_flight.popleft()
         if to_arrive and step.num_scheduled_tokens and rng.random() < 0.03:  # a client leaves while the step runs
-            aborted = scheduler.abort(rng.choice(list(step.num_scheduled_tokens)))
+            aborted = policy.abort(rng.choice(list(step.num_scheduled_tokens)))
             if aborted is not None:  # (it may have ended at the step before)
                 finish[aborted.request_id] = aborted.finish_reason
-        outputs = scheduler.update_from_output(step, worker_output)
+        outputs = policy.update_from_output(step, worker_output)
         for output in outputs:
             tokens[output.request_id] += output.new_token_ids
             if output.finished:
@@ -115,7 +116,7 @@ def run_workload(seed: int, ahead: bool):
             assert (finish[request_id], tokens[request_id]) == (reason, generated)
     assert kv.num_free_blocks == num_blocks and kv.stats().used_blocks == 0
     assert kv.reset_prefix_cache()
-    return Totals(scheduler.counters.preemptions, scheduler.counters.hit_tokens, scheduler.counters.evictions,
+    return Totals(policy.counters.preemptions, policy.counters.hit_tokens, policy.counters.evictions,
                   sum(reason == "stop" for reason in finish.values()), steps_ahead, preempted_in_flight,
                   sum(reason == "abort" for reason in finish.values()))
 

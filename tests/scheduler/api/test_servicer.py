@@ -1,5 +1,5 @@
 """The Engine servicer over real gRPC, with the real tokenizer service, on the simulated worker: what
-only the servicer decides (stop strings, which request an id names). The simulated worker computes a
+only the servicer decides (stop strings, which request an id names, the fields it refuses). The simulated worker computes a
 step in no time, so the engine runs far ahead of the detokenizing that each output waits for."""
 from __future__ import annotations
 
@@ -18,16 +18,11 @@ from sim_worker import SimulatedWorker, reference_generation
 
 from prefixcache.client import Completion, EngineClient, build_request
 from prefixcache.protos.engine.v1 import engine_pb2 as pb
-from prefixcache.scheduler import engine_service
-from prefixcache.scheduler.engine_service import (
-    MAX_CACHE_SALT_BYTES,
-    MAX_HASHES_PER_EVICTION_EVENT,
-    MAX_REQUEST_ID_BYTES,
-    MAX_STOP_STRING_CHARS,
-    MAX_STOP_STRINGS,
-    MAX_TENANT_BYTES,
-    eviction_attributes,
-)
+from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
+from prefixcache.scheduler.api import servicer
+from prefixcache.scheduler.api.codec import MAX_REQUEST_ID_BYTES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from prefixcache.scheduler.api.isolation import MAX_CACHE_SALT_BYTES, MAX_TENANT_BYTES
+from prefixcache.scheduler.api.spans import MAX_HASHES_PER_EVICTION_EVENT, eviction_attributes
 from prefixcache.scheduler.kv_cache import EvictionBatch
 from prefixcache.scheduler.tokenizer_client import StreamingDetokenizer
 from prefixcache.tokenizer.text import TextTokenizer
@@ -153,16 +148,20 @@ def test_a_client_that_stops_reading_and_times_out_leaves_no_traceback(tokenizer
 
 def test_errors_quote_a_long_value_only_in_part(tokenizer: TextTokenizer) -> None:
     """A status message travels in a header that clients cap (8 KiB): quoting a 20,000-character
-    field whole would turn INVALID_ARGUMENT into RESOURCE_EXHAUSTED on the client."""
+    field whole would turn the status into RESOURCE_EXHAUSTED on the client."""
     long = "r" * 20_000
 
     async def main() -> None:
         async with engine_api(tokenizer) as (target, _), EngineClient(target) as client:
-            for request, field in ((build_request(text="hi", lora_adapter=long, max_tokens=1), "lora_adapter"),
-                                   (build_request(messages=[(long, "hi")], max_tokens=1), "chat.messages[0].role")):
+            for request, field, code in (
+                (build_request(text="hi", lora_adapter=long, max_tokens=1), "lora_adapter",
+                 grpc.StatusCode.UNIMPLEMENTED),
+                (build_request(messages=[(long, "hi")], max_tokens=1), "chat.messages[0].role",
+                 grpc.StatusCode.INVALID_ARGUMENT),
+            ):
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await client.complete(request)
-                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert refused.value.code() == code
                 details = refused.value.details()
                 assert details.startswith(f"{field}: ") and "(20000 characters)" in details and len(details) < 300
 
@@ -254,44 +253,29 @@ def test_a_prompt_id_the_tokenizer_lacks_is_unavailable_not_an_internal_field(to
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
-def with_images(request: pb.GenerateRequest, *items: tuple[str, int, int]) -> pb.GenerateRequest:
-    for content_hash, offset, length in items:
-        request.multimodal_items.append(pb.MultiModalItem(content_hash=content_hash, offset=offset, length=length))
-    return request
+@pytest.mark.parametrize("field", ["lora_adapter", "multimodal_items"])
+def test_lora_adapters_and_multimodal_items_are_unimplemented_naming_the_field(tokenizer: TextTokenizer,
+                                                                                field: str) -> None:
+    """Block identity hashes both, but the worker applies no adapter and embeds no image: a request
+    that names either is refused as UNIMPLEMENTED, before any of it reaches the engine, and
+    `Describe` offers neither."""
+    request = build_request(token_ids=PROMPT, max_tokens=2)
+    if field == "lora_adapter":
+        request.lora_adapter = "sql-adapter"
+    else:
+        request.multimodal_items.append(pb.MultiModalItem(content_hash="sha256:cat", offset=0, length=2))
 
-
-def test_an_image_enters_the_identity_of_the_blocks_its_placeholders_overlap(tokenizer: TextTokenizer) -> None:
-    """The same placeholder tokens with another image share only the blocks before the image (block
-    size 4 here); the same image again hits up to the capped last block."""
-    prompt = list(range(300, 324))  # 24 tokens, 6 blocks; the image holds tokens 9..12 (blocks 2 and 3)
-
-    async def cached_tokens(client: EngineClient, content_hash: str) -> int:
-        completion = await client.complete(with_images(build_request(token_ids=prompt, max_tokens=2),
-                                                       (content_hash, 9, 4)))
-        return completion.usage.cached_tokens
-
-    async def main() -> list[int]:
-        async with engine_api(tokenizer, multimodal=True) as (target, _), EngineClient(target) as client:
-            return [await cached_tokens(client, image) for image in ("sha256:cat", "sha256:dog", "sha256:cat")]
-
-    assert asyncio.run(asyncio.wait_for(main(), 60)) == [0, 8, 20]
-
-
-@pytest.mark.parametrize("items, field", [
-    ([("", 0, 2)], "multimodal_items[0].content_hash"),
-    ([("img", 0, 0)], "multimodal_items[0].length"),
-    ([("img", 10, 2)], "multimodal_items[0]"),  # past the prompt's 11 tokens
-    ([("img", 4, 4), ("other", 6, 2)], "multimodal_items[1].offset"),  # overlaps the first
-    ([("img", 6, 2), ("other", 0, 2)], "multimodal_items[1].offset"),  # out of order
-])
-def test_bad_multimodal_items_are_refused_by_name(tokenizer: TextTokenizer, items: list, field: str) -> None:
     async def main() -> None:
-        async with engine_api(tokenizer, multimodal=True) as (target, _), EngineClient(target) as client:
+        async with engine_api(tokenizer) as (target, engine), EngineClient(target) as client:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await client.complete(with_images(build_request(token_ids=PROMPT, max_tokens=2), *items))
-            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                await client.complete(request)
+            assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
             assert refused.value.details().startswith(f"{field}: ")
-            accepted = await client.complete(with_images(build_request(token_ids=PROMPT, max_tokens=2), ("img", 0, 2)))
+            assert engine.cache_stats().queries == 0
+            async with aio.insecure_channel(target) as channel:
+                description = await pb_grpc.EngineStub(channel).Describe(pb.DescribeRequest())
+            assert list(description.lora_adapters) == [] and not description.multimodal
+            accepted = await client.complete(build_request(token_ids=PROMPT, max_tokens=2))
             assert accepted.finish_reason == "length"
 
     asyncio.run(asyncio.wait_for(main(), 60))
@@ -362,7 +346,7 @@ def test_a_stream_the_tokenizer_fails_is_counted_as_an_error(tokenizer: TextToke
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(engine_service, "_tracer", provider.get_tracer("test"))
+    monkeypatch.setattr(servicer, "_tracer", provider.get_tracer("test"))
 
     async def main() -> dict[str, float]:
         async with engine_api(tokenizer, worker_vocab_size=4 * tokenizer.vocab_size) as (target, engine), \
