@@ -1,4 +1,4 @@
-"""Client channels shared by the services and the CLI: tracing, message limits, fast reconnects."""
+"""Client channels shared by the services and the CLI: tracing, message limits, fast reconnects, TLS."""
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +9,7 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prefixcache.rpc.server import CHANNEL_OPTIONS
+from prefixcache.rpc.tls import ChannelTls
 from prefixcache.rpc.tracing import client_interceptors
 
 # gRPC's default reconnect backoff grows to two minutes; a restarted peer on loopback should be
@@ -20,11 +21,13 @@ RECONNECT_OPTIONS = (
 )
 
 
-def open_channel(target: str) -> aio.Channel:
-    """An insecure channel to `target` (HOST:PORT) that propagates the trace context."""
-    return aio.insecure_channel(
-        target, options=[*CHANNEL_OPTIONS, *RECONNECT_OPTIONS], interceptors=client_interceptors()
-    )
+def open_channel(target: str, tls: ChannelTls | None = None) -> aio.Channel:
+    """A channel to `target` (HOST:PORT) that propagates the trace context: TLS with `tls` (ValueError
+    for a file it cannot read), plaintext without."""
+    options = [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS]
+    if tls is not None:
+        return aio.secure_channel(target, tls.credentials(), options=options, interceptors=client_interceptors())
+    return aio.insecure_channel(target, options=options, interceptors=client_interceptors())
 
 
 async def is_serving(channel: aio.Channel, service: str = "", timeout_s: float = 1.0) -> bool:
@@ -36,10 +39,10 @@ async def is_serving(channel: aio.Channel, service: str = "", timeout_s: float =
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-async def wait_until_serving(target: str, timeout_s: float, service: str = "") -> None:
+async def wait_until_serving(target: str, timeout_s: float, service: str = "", tls: ChannelTls | None = None) -> None:
     """Poll the health service of `target` until it reports SERVING; TimeoutError otherwise."""
     deadline = time.monotonic() + timeout_s
-    async with open_channel(target) as channel:
+    async with open_channel(target, tls) as channel:
         while not await is_serving(channel, service):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{target} not serving after {timeout_s:.0f} s")

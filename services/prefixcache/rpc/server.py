@@ -23,6 +23,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from prefixcache.rpc.interceptors import CallActivity, MalformedRequestInterceptor
+from prefixcache.rpc.tls import ServerTls
 from prefixcache.rpc.tracing import ServerTracingInterceptor, configure_tracing, shutdown_tracing
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ async def run_server(
     shutdown: Callable[[float], Awaitable[None]] | None = None,
     ready: Callable[[int], None] | None = None,
     health: health_aio.HealthServicer | None = None,
+    tls: ServerTls | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT; return the process exit code.
 
@@ -71,7 +73,8 @@ async def run_server(
     cgroup signalled as a whole) and needs a step served until its last request is done.
 
     `ready(port)` is called once the port is bound (port 0 picks a free one). Pass `health` to set
-    a service's status yourself while serving; this sets every service's on start and stop.
+    a service's status yourself while serving; this sets every service's on start and stop. With
+    `tls`, the port serves TLS only (`rpc.tls`).
     """
     try:
         configure_tracing(service_name)
@@ -79,7 +82,8 @@ async def run_server(
         log.error("%s cannot start: OpenTelemetry settings (OTEL_*): %s", service_name, error)
         return 1
     try:
-        return await _serve(service_name, address, servicers, grace_s, drain_idle_s, startup, shutdown, ready, health)
+        return await _serve(service_name, address, servicers, grace_s, drain_idle_s, startup, shutdown, ready, health,
+                            tls)
     finally:
         shutdown_tracing()  # spans of a failed start are worth having too
 
@@ -94,6 +98,7 @@ async def _serve(
     shutdown: Callable[[float], Awaitable[None]] | None,
     ready: Callable[[int], None] | None,
     health: health_aio.HealthServicer | None,
+    tls: ServerTls | None,
 ) -> int:
     activity = CallActivity() if drain_idle_s > 0 else None
     interceptors = [MalformedRequestInterceptor(), *([activity] if activity else []), ServerTracingInterceptor()]
@@ -105,7 +110,12 @@ async def _serve(
     names = [s.name for s in servicers]
     _enable_reflection([*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], server)
     try:
-        port = server.add_insecure_port(address)
+        credentials = tls.credentials() if tls is not None else None
+    except ValueError as error:
+        log.error("%s cannot start: %s", service_name, error)
+        return 1
+    try:
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as error:
         log.error("cannot listen on %s: %s", address, error)
         return 1

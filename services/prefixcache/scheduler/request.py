@@ -26,6 +26,7 @@ class EngineRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     extras: BlockExtras = field(default_factory=BlockExtras)  # LoRA, multimodal items, cache salt
+    tenant: str = ""  # the tenant's one-way label, for its share of the waiting queue ("" without tenants)
 
 
 @dataclass(frozen=True)

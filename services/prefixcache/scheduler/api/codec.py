@@ -2,8 +2,8 @@
 fields may hold, the EngineRequest it becomes, and the messages the engine's results become.
 
 A field that cannot be accepted raises `InvalidRequest` (INVALID_ARGUMENT); one the API carries but
-no served request can use raises `Unimplemented` (UNIMPLEMENTED). Both messages start with the
-field's name.
+no served request can use raises `Unimplemented` (UNIMPLEMENTED); one the caller's credentials do
+not allow raises `PermissionDenied` (PERMISSION_DENIED). Each message starts with the field's name.
 """
 from __future__ import annotations
 
@@ -35,6 +35,10 @@ MAX_REQUEST_ID_BYTES = 256
 # grows with their number: a bound keeps one request from slowing all the others.
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
+# Text and chat prompts are tokenized by the tokenizer service before any token count is known: a
+# byte bound keeps one request from occupying it (and its memory) for everyone. 1 MiB is over 100
+# bytes for each token of an 8,192-token context.
+DEFAULT_MAX_PROMPT_BYTES = 1024 * 1024
 
 
 class InvalidRequest(ValueError):
@@ -43,6 +47,11 @@ class InvalidRequest(ValueError):
 
 
 class Unimplemented(Exception):
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+
+
+class PermissionDenied(Exception):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
 
@@ -58,6 +67,20 @@ def check_served(request: pb.GenerateRequest) -> None:
                                                 "token ids only")
 
 
+def check_prompt_bytes(request: pb.GenerateRequest, max_bytes: int) -> None:
+    """Refuse a text or chat prompt larger than `max_bytes` (UTF-8 text; a chat as serialized)
+    before it is sent to be tokenized."""
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        size = len(request.text.encode())
+    elif kind == "chat":
+        size = request.chat.ByteSize()
+    else:
+        return
+    if size > max_bytes:
+        raise InvalidRequest(kind, f"{size} bytes, more than the {max_bytes} allowed")
+
+
 def check_stop_strings(stops: list[str]) -> None:
     if len(stops) > MAX_STOP_STRINGS:
         raise InvalidRequest("sampling.stop", f"{len(stops)} stop strings, more than the {MAX_STOP_STRINGS} allowed")
@@ -70,7 +93,7 @@ def check_stop_strings(stops: list[str]) -> None:
 
 
 def engine_request(request_id: str, request: pb.GenerateRequest, prompt_ids: list[int], *,
-                   capacity_tokens: int, cache_salt: str | None) -> EngineRequest:
+                   capacity_tokens: int, cache_salt: str | None, tenant: str = "") -> EngineRequest:
     """The engine's request. Without max_tokens it generates as many tokens as `capacity_tokens`
     (what both the model's length and the KV cache hold) leaves room for after the prompt."""
     options = request.sampling
@@ -90,6 +113,7 @@ def engine_request(request_id: str, request: pb.GenerateRequest, prompt_ids: lis
         stop_token_ids=tuple(options.stop_token_ids),
         ignore_eos=options.ignore_eos,
         extras=BlockExtras(cache_salt=cache_salt),
+        tenant=tenant,
     )
 
 

@@ -1,21 +1,17 @@
-"""A request's cache isolation: the salt hashed into its first block, given by the client as
-`cache_salt` or derived server-side from its `tenant`, so a client cannot pick another tenant's salt.
+"""A request's cache isolation: the salt hashed into its first block.
 
-salt = hex(HMAC-SHA256(key, tenant)). The key comes from `PREFIXCACHE_TENANT_SALT_KEY` (give every
-scheduler replica the same one, so a tenant's hashes agree across replicas); without it, each process
-draws a random key, which isolates tenants just as well but only within one process.
+With tenants configured (`prefixcache.scheduler.tenancy`), the salt is the authenticated tenant's,
+and a request that names its own (`cache_salt` or `tenant`) is refused: either would let a client
+claim another tenant's cache domain. Without, the local single-user default: the client may give a
+`cache_salt`, or a `tenant` whose salt the server derives (`TenantSalts`), or neither.
 """
 from __future__ import annotations
 
-import hashlib
-import hmac
-import os
-import secrets
-
 from prefixcache.protos.engine.v1 import engine_pb2 as pb
-from prefixcache.scheduler.api.codec import InvalidRequest
+from prefixcache.scheduler.api.codec import InvalidRequest, PermissionDenied
+from prefixcache.scheduler.tenancy import Identity, TenantSalts
+from prefixcache.scheduler.tenancy.identity import Role
 
-KEY_ENV = "PREFIXCACHE_TENANT_SALT_KEY"
 # Isolation keys are hashed into every request's first block and held per request: cap them well
 # above any sensible key (a 256-bit salt is 64 hex characters) so that one request cannot make the
 # server hash and hold megabytes.
@@ -23,20 +19,19 @@ MAX_CACHE_SALT_BYTES = 1024
 MAX_TENANT_BYTES = 256
 
 
-class TenantSalts:
-    def __init__(self, key: bytes | None = None):
-        configured = os.environ.get(KEY_ENV)
-        self._key = key if key is not None else (configured.encode() if configured else secrets.token_bytes(32))
+def request_salt(request: pb.GenerateRequest, tenants: TenantSalts, identity: Identity) -> str | None:
+    """The salt `request`'s blocks are hashed with: its tenant's, its cache salt, or none.
 
-    def salt_for(self, tenant: str) -> str:
-        return hmac.new(self._key, tenant.encode(), hashlib.sha256).hexdigest()
-
-
-def request_salt(request: pb.GenerateRequest, tenants: TenantSalts) -> str | None:
-    """The salt `request`'s blocks are hashed with: its cache salt, its tenant's, or none.
-
-    Raises InvalidRequest for a key that is set but empty or longer than its limit. Neither value
-    is quoted back: a salt is a secret, and a tenant name is as good as one."""
+    Raises PermissionDenied for an isolation field where the identity decides, InvalidRequest for
+    one that is set but empty or longer than its limit. Neither value is quoted back: a salt is a
+    secret, and a tenant name is as good as one."""
+    if identity.role is not Role.ANONYMOUS:
+        if field := request.WhichOneof("isolation"):
+            raise PermissionDenied(field, "the server derives the cache salt from your credentials; "
+                                          "leave cache_salt and tenant unset")
+        if identity.role is Role.ADMIN:
+            raise PermissionDenied("authorization", "an admin credential does not generate; use a tenant's")
+        return identity.salt
     for name, limit in (("cache_salt", MAX_CACHE_SALT_BYTES), ("tenant", MAX_TENANT_BYTES)):
         if not request.HasField(name):
             continue

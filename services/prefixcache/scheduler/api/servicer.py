@@ -1,13 +1,15 @@
 """The public Engine gRPC API over EngineCore.
 
-Per Generate call: check what only the API knows (prompt kind, stop strings, isolation keys, and
+Every call first proves who it comes from when tenants are configured (`access.identify`). Per
+Generate call: check what only the API knows (prompt kind and size, stop strings, isolation keys, and
 the LoRA adapters and multimodal items no served request can use), tokenize text or chat through
-the tokenizer service, admit the request to EngineCore, then stream each output's token ids with
-their text (`stream.ResponseStream`). Client cancellation and deadlines abort the request in the
-engine, which frees its blocks at once.
+the tokenizer service, admit the request to EngineCore within its tenant's limits, then stream each
+output's token ids with their text (`stream.ResponseStream`). Client cancellation and deadlines abort
+the request in the engine, which frees its blocks at once. Resetting the cache takes an admin; a
+tenant's cache statistics are its own counters only.
 
-Each request gets one span carrying the gen_ai and prefix_cache attributes; never the prompt text,
-never the cache salt or tenant.
+Each request gets one span carrying the gen_ai and prefix_cache attributes and, with tenants, the
+tenant's one-way label; never the prompt text, the cache salt, the tenant's name or a credential.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 from grpc import aio
@@ -26,21 +29,28 @@ from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
 from prefixcache.rpc.client import status_of
 from prefixcache.rpc.quoting import quoted
 from prefixcache.rpc.tracing import SpanRegistry, iterate_in_context, quiet_span
+from prefixcache.scheduler.api.access import OpenCalls, TenantBusy, TenantCounters, engine_request_id, identify
 from prefixcache.scheduler.api.codec import (
+    DEFAULT_MAX_PROMPT_BYTES,
     MAX_REQUEST_ID_BYTES,
     InvalidRequest,
+    PermissionDenied,
     Unimplemented,
+    check_prompt_bytes,
     check_served,
     check_stop_strings,
     engine_request,
     public_field,
 )
-from prefixcache.scheduler.api.isolation import TenantSalts, request_salt
+from prefixcache.scheduler.api.isolation import request_salt
 from prefixcache.scheduler.api.spans import request_attributes
 from prefixcache.scheduler.api.stream import ResponseStream
 from prefixcache.scheduler.engine import EngineCore, EngineUnavailable, QueueFull, RequestOutput, RequestRejected
+from prefixcache.scheduler.engine.admission import check_prompt_length
 from prefixcache.scheduler.metrics import FINISH_ERROR
 from prefixcache.scheduler.request import FINISH_ABORT
+from prefixcache.scheduler.tenancy import Identity, TenantRegistry, TenantSalts
+from prefixcache.scheduler.tenancy.identity import Role
 from prefixcache.scheduler.tokenizer_client import TokenizerClient, TokenizerMismatch
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Engine"].full_name
@@ -55,16 +65,19 @@ class EngineServicer(pb_grpc.EngineServicer):
         tokenizer: TokenizerClient,
         tenants: TenantSalts | None = None,
         request_spans: SpanRegistry | None = None,
+        registry: TenantRegistry | None = None,
+        max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES,
     ):
+        """`registry`: the configured tenants, whose credentials every call must then carry; without
+        it, the local single-user default (`tenants` derives the salts of the `tenant` field)."""
         self._request_spans = request_spans or SpanRegistry()
         self._engine = engine
-        # Ids of open Generate calls. An id stays taken until its call ends, not only until the
-        # engine finishes the request: the call still aborts by id when it stops or is cancelled.
-        self._open_request_ids: set[str] = set()
-        self._no_generate_calls = asyncio.Event()
-        self._no_generate_calls.set()
+        self._calls = OpenCalls()
         self._tokenizer = tokenizer
         self._tenants = tenants or TenantSalts()
+        self._registry = registry
+        self._max_prompt_bytes = max_prompt_bytes
+        self._counters: dict[str, TenantCounters] = {}  # by tenant label
 
     # ---- Generate -------------------------------------------------------------------------------
 
@@ -75,7 +88,7 @@ class EngineServicer(pb_grpc.EngineServicer):
         needs the tokenizer to turn that output into text: close the clients only after this.
         """
         try:
-            await asyncio.wait_for(self._no_generate_calls.wait(), timeout_s)
+            await asyncio.wait_for(self._calls.none_open.wait(), timeout_s)
         except TimeoutError:
             return False
         return True
@@ -83,60 +96,76 @@ class EngineServicer(pb_grpc.EngineServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        identity = await identify(self._registry, context)
         request_id = request.request_id or uuid.uuid4().hex
         if (size := len(request_id.encode())) > MAX_REQUEST_ID_BYTES:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request_id: {size} bytes, more than the {MAX_REQUEST_ID_BYTES} allowed")
-        if request_id in self._open_request_ids:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"request_id: {quoted(request_id)} is already in flight")
-        self._open_request_ids.add(request_id)
-        self._no_generate_calls.clear()
+        engine_id = engine_request_id(identity, request_id)
+        max_in_flight, max_waiting = self._limits(identity)
+        try:
+            self._calls.enter(engine_id, request_id, identity, max_in_flight)
+        except InvalidRequest as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        except TenantBusy as error:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
         try:
             # Closed explicitly, innermost first, even when gRPC drops the stream at a yield: left to
             # the garbage collector, an outer layer closes before an inner one, and the request's span
             # would end before its outcome is written on it.
-            async with contextlib.aclosing(self._generate(request_id, request, context)) as responses:
+            call = _Call(request_id, engine_id, identity, max_waiting)
+            async with contextlib.aclosing(self._generate(call, request, context)) as responses:
                 async for response in responses:
                     yield response
         finally:
-            self._open_request_ids.discard(request_id)
-            if not self._open_request_ids:
-                self._no_generate_calls.set()
+            self._calls.leave(engine_id, identity)
+
+    def _limits(self, identity: Identity) -> tuple[int | None, int | None]:
+        """A tenant's most Generate calls in flight and requests waiting; None: no limit of its own."""
+        if identity.role is not Role.TENANT:
+            return None, None
+        return identity.limits.resolved(self._engine.config)
 
     async def _generate(
-        self, request_id: str, request: pb.GenerateRequest, context: aio.ServicerContext
+        self, call: _Call, request: pb.GenerateRequest, context: aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         # The span is current only while each response is computed (see `iterate_in_context`).
-        attributes = request_attributes(request_id, request, self._engine.config, self._engine.worker_info)
+        attributes = request_attributes(call.engine_id, request, self._engine.config, self._engine.worker_info)
+        if call.identity.label:
+            attributes["prefixcache.tenant.label"] = call.identity.label
         with quiet_span(_tracer, "generate", current=False, attributes=attributes) as span:
-            responses = iterate_in_context(self._responses(request_id, request, context, span),
+            responses = iterate_in_context(self._responses(call, request, context, span),
                                            trace.set_span_in_context(span))
             async with contextlib.aclosing(responses):  # closes `_responses`, which annotates the span
                 async for response in responses:
                     yield response
 
     async def _responses(
-        self, request_id: str, request: pb.GenerateRequest, context: aio.ServicerContext, span: trace.Span
+        self, call: _Call, request: pb.GenerateRequest, context: aio.ServicerContext, span: trace.Span
     ) -> AsyncIterator[pb.GenerateResponse]:
+        request_id = call.engine_id
         try:
             check_served(request)
             check_stop_strings(list(request.sampling.stop))
-            salt = request_salt(request, self._tenants)
+            salt = request_salt(request, self._tenants, call.identity)
+            check_prompt_bytes(request, self._max_prompt_bytes)
             tokenizer_id = self._expected_tokenizer_id()  # the same for the prompt and the reply
             prompt_ids = await self._prompt_ids(request, tokenizer_id)
             submitted = engine_request(request_id, request, prompt_ids, capacity_tokens=self._engine.capacity_tokens,
-                                       cache_salt=salt)
+                                       cache_salt=salt, tenant=call.identity.label)
             detokenizer = self._tokenizer.detokenizer(prompt_ids, tokenizer_id)
             if request.WhichOneof("prompt") == "token_ids":  # the tokenizer is checked before the prefill
                 self._engine.validate(submitted)  # the ids, before the tokenizer sees them
                 await detokenizer.open()
             abandoned: list[RequestOutput] = []  # outputs never read, if the engine saw the call leave first
             try:
-                outputs = self._engine.add_request(submitted, on_abandon=abandoned.append)
+                outputs = self._engine.add_request(submitted, on_abandon=abandoned.append,
+                                                   tenant_max_waiting=call.max_waiting)
             except Exception:
                 await detokenizer.close()
                 raise
+        except PermissionDenied as error:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(error))
         except Unimplemented as error:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(error))
         except InvalidRequest as error:
@@ -155,7 +184,7 @@ class EngineServicer(pb_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, _tokenizer_failed(request_id, code, details))
         span.set_attribute("gen_ai.usage.input_tokens", len(prompt_ids))
 
-        stream = ResponseStream(request_id, self._engine, detokenizer, list(request.sampling.stop))
+        stream = ResponseStream(call.request_id, request_id, self._engine, detokenizer, list(request.sampling.stop))
         self._request_spans.add(request_id, span)
         failed = False  # the call ends UNAVAILABLE for a fault of ours the engine did not see
         lost = False  # the engine lost the worker: it ended the request and counted it
@@ -183,10 +212,15 @@ class EngineServicer(pb_grpc.EngineServicer):
             self._request_spans.remove(request_id)
             await stream.close()
             stream.annotate(span)
+            if stream.account is not None:
+                counters = self._counters.setdefault(call.identity.label, TenantCounters())
+                counters.query_tokens += stream.account.queried_tokens
+                counters.hit_tokens += stream.account.hit_tokens
 
     async def _prompt_ids(self, request: pb.GenerateRequest, tokenizer_id: str) -> list[int]:
         kind = request.WhichOneof("prompt")
         if kind == "token_ids":
+            check_prompt_length(len(request.token_ids.ids), self._engine.max_model_len)  # before copying them
             return list(request.token_ids.ids)
         if kind == "text":
             if not request.text:
@@ -203,11 +237,19 @@ class EngineServicer(pb_grpc.EngineServicer):
     # ---- cache and description ------------------------------------------------------------------
 
     async def GetCacheStats(self, request: pb.GetCacheStatsRequest, context: aio.ServicerContext) -> pb.CacheStats:
+        """The whole cache's statistics; for a tenant, only what its own requests looked up and hit
+        (the pool's occupancy and the others' traffic are not its to see)."""
+        identity = await identify(self._registry, context)
+        config = self._engine.config
+        if identity.role is Role.TENANT:
+            own = self._counters.get(identity.label, TenantCounters())
+            return pb.CacheStats(block_size=config.block_size, hash_algo=config.hash_algo,
+                                 prefix_caching_enabled=config.enable_prefix_caching,
+                                 query_tokens=own.query_tokens, hit_tokens=own.hit_tokens)
         try:
             stats = self._engine.cache_stats()
         except EngineUnavailable as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
-        config = self._engine.config
         return pb.CacheStats(
             block_size=config.block_size,
             hash_algo=config.hash_algo,
@@ -226,11 +268,17 @@ class EngineServicer(pb_grpc.EngineServicer):
     async def ResetPrefixCache(
         self, request: pb.ResetPrefixCacheRequest, context: aio.ServicerContext
     ) -> pb.ResetPrefixCacheResponse:
+        """Every tenant's cached prefixes go: an admin's call (or anyone's without tenants)."""
+        identity = await identify(self._registry, context)
+        if identity.role is Role.TENANT:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "authorization: resetting the prefix cache takes an admin credential")
         return pb.ResetPrefixCacheResponse(reset=self._engine.reset_prefix_cache())
 
     async def Describe(self, request: pb.DescribeRequest, context: aio.ServicerContext) -> pb.EngineDescription:
         """The model and the engine's limits. `lora_adapters` stays empty and `multimodal` false:
         no served request can use either (`codec.check_served`)."""
+        await identify(self._registry, context)
         info = self._engine.worker_info
         if info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is not available")
@@ -247,6 +295,17 @@ class EngineServicer(pb_grpc.EngineServicer):
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One Generate call: the client's request id, the engine's (scoped by tenant), who sent it and
+    how many of its tenant's requests may wait."""
+
+    request_id: str
+    engine_id: str
+    identity: Identity
+    max_waiting: int | None
 
 
 def _tokenizer_failed(request_id: str, code: grpc.StatusCode, details: str) -> str:

@@ -20,8 +20,10 @@ from prefixcache.step.codec import logprobs_to_proto
 class ResponseStream:
     """Turns one request's engine outputs into responses: text, stop strings, the final summary."""
 
-    def __init__(self, request_id: str, engine: EngineCore, detokenizer: StreamingDetokenizer, stops: list[str]):
-        self._request_id = request_id
+    def __init__(self, request_id: str, engine_id: str, engine: EngineCore, detokenizer: StreamingDetokenizer,
+                 stops: list[str]):
+        self._request_id = request_id  # the client's, echoed in every response
+        self._engine_id = engine_id  # the engine's (`access.engine_request_id`)
         self._engine = engine
         self._detokenizer = detokenizer
         self._stops = StopStringMatcher(stops)
@@ -56,7 +58,7 @@ class ResponseStream:
             self.delivered_tokens += len(output.new_token_ids)
             if self._stops.stopped:
                 # Its final output, with the usage, follows, finished for reason "stop".
-                self._engine.abort(self._request_id, FINISH_STOP)
+                self._engine.abort(self._engine_id, FINISH_STOP)
             if output.finished:
                 yield self._final(output, text)
                 return

@@ -13,11 +13,22 @@ def effective_max_model_len(config: SchedulerConfig, info: WorkerInfo | None) ->
     return min(config.max_model_len, info.max_model_len) if info is not None else config.max_model_len
 
 
+def check_prompt_length(num_tokens: int, max_len: int) -> None:
+    """Raise RequestRejected for a prompt that leaves no room to generate within `max_len`: checked
+    first, and by the API before it copies a prompt's ids, so that an oversized prompt costs nothing."""
+    if num_tokens >= max_len:
+        raise RequestRejected(
+            "prompt_token_ids", f"the prompt ({num_tokens} tokens) leaves no room to generate within the "
+            f"maximum length {max_len}")
+
+
 def check_fits_worker(request: EngineRequest, info: WorkerInfo, config: SchedulerConfig) -> None:
     """Raise RequestRejected, naming the field, if `request` cannot run on the worker `info` describes."""
     prompt = request.prompt_token_ids
     if not prompt:
         raise RequestRejected("prompt_token_ids", "the prompt is empty")
+    max_len = effective_max_model_len(config, info)
+    check_prompt_length(len(prompt), max_len)
     bad = next((t for t in prompt if not 0 <= t < info.vocab_size), None)
     if bad is not None:
         raise RequestRejected("prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {info.vocab_size})")
@@ -26,11 +37,6 @@ def check_fits_worker(request: EngineRequest, info: WorkerInfo, config: Schedule
     if request.sampling.logprobs > info.vocab_size:
         raise RequestRejected("logprobs", f"asks for {request.sampling.logprobs} alternatives; "
                               f"the vocabulary has {info.vocab_size} tokens")
-    max_len = effective_max_model_len(config, info)
-    if len(prompt) >= max_len:
-        raise RequestRejected(
-            "prompt_token_ids", f"the prompt ({len(prompt)} tokens) leaves no room to generate within the "
-            f"maximum length {max_len}")
     if len(prompt) + request.max_tokens > max_len:
         raise RequestRejected(
             "max_tokens",

@@ -151,9 +151,11 @@ class EngineCore:
 
     def add_request(
         self, request: EngineRequest, on_abandon: Callable[[RequestOutput], None] | None = None,
+        tenant_max_waiting: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request; iterate the result for its outputs. Raises RequestRejected, QueueFull or
-        EngineUnavailable at once, before anything is queued.
+        EngineUnavailable at once, before anything is queued. QueueFull also when `tenant_max_waiting`
+        requests of the request's tenant wait already: one tenant cannot fill the queue for all.
 
         Leaving the iteration early (closed, or cancelled while waiting) aborts the request; every
         output nobody read, the abort's included, goes to `on_abandon`: they may carry the cache
@@ -167,6 +169,10 @@ class EngineCore:
         assert self._policy is not None
         if self._policy.num_waiting >= self.config.max_waiting:
             raise QueueFull(f"{self._policy.num_waiting} requests are waiting (max_waiting={self.config.max_waiting})")
+        if tenant_max_waiting is not None:
+            waiting = sum(state.origin.tenant == request.tenant for state in self._policy.waiting if state.origin)
+            if waiting >= tenant_max_waiting:
+                raise QueueFull(f"your tenant has {waiting} requests waiting, the most it may; retry later")
         self._policy.add_request(request)
         queue: asyncio.Queue[RequestOutput | Exception] = asyncio.Queue()
         self._streams[request.request_id] = queue

@@ -6,7 +6,7 @@ import hmac
 
 import pytest
 
-from prefixcache.scheduler.api.isolation import KEY_ENV, TenantSalts
+from prefixcache.scheduler.tenancy import KEY_ENV, TenantSalts
 
 
 def test_salt_is_the_hmac_of_the_tenant_under_the_configured_key(monkeypatch: pytest.MonkeyPatch) -> None:
