@@ -6,6 +6,10 @@
             print(chunk.text, end="")
         completion = await engine.complete(request)   # the whole stream, gathered
 
+Against a server with tenants configured, give the tenant's API key (`EngineClient(target,
+api_key=...)`: sent as `authorization: Bearer …` metadata on every call) or, for mutual TLS, a client
+certificate (`tls=ChannelTls(ca, cert, key)`); `tls=ChannelTls(ca)` alone verifies a TLS server.
+
 Errors are `grpc.aio.AioRpcError` with the server's status code and message.
 """
 from __future__ import annotations
@@ -17,6 +21,7 @@ from prefixcache.protos.common.v1 import chat_pb2, logprobs_pb2
 from prefixcache.protos.engine.v1 import engine_pb2 as pb
 from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
 from prefixcache.rpc.client import open_channel
+from prefixcache.rpc.tls import ChannelTls
 
 DEFAULT_TARGET = "localhost:50051"
 FINISH_REASON_NAMES = {
@@ -133,10 +138,14 @@ class Completion:
 
 
 class EngineClient:
-    def __init__(self, target: str = DEFAULT_TARGET):
+    def __init__(self, target: str = DEFAULT_TARGET, *, api_key: str | None = None, tls: ChannelTls | None = None):
         self.target = target
-        self._channel = open_channel(target)
+        self._channel = open_channel(target, tls)
         self._stub = pb_grpc.EngineStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key is not None else None
+
+    def __repr__(self) -> str:  # never the key
+        return f"EngineClient({self.target!r})"
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -149,7 +158,7 @@ class EngineClient:
 
     def generate(self, request: pb.GenerateRequest, timeout_s: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
         """The response stream; cancel it (or leave the loop and close it) to abort the request."""
-        return self._stub.Generate(request, timeout=timeout_s)
+        return self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata)
 
     async def complete(self, request: pb.GenerateRequest, timeout_s: float | None = None) -> Completion:
         completion = Completion()
@@ -158,10 +167,11 @@ class EngineClient:
         return completion
 
     async def cache_stats(self) -> pb.CacheStats:
-        return await self._stub.GetCacheStats(pb.GetCacheStatsRequest(), timeout=30)
+        return await self._stub.GetCacheStats(pb.GetCacheStatsRequest(), timeout=30, metadata=self._metadata)
 
     async def reset_prefix_cache(self) -> bool:
-        return (await self._stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=30)).reset
+        reply = await self._stub.ResetPrefixCache(pb.ResetPrefixCacheRequest(), timeout=30, metadata=self._metadata)
+        return reply.reset
 
     async def describe(self) -> pb.EngineDescription:
-        return await self._stub.Describe(pb.DescribeRequest(), timeout=30)
+        return await self._stub.Describe(pb.DescribeRequest(), timeout=30, metadata=self._metadata)

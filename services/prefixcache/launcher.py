@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefixcache.rpc.client import wait_until_serving
+from prefixcache.rpc.tls import ChannelTls
 
 LOOPBACK = "127.0.0.1"
 # Each service bounds its own shutdown by the grace it was given, then needs a little more to close
@@ -38,6 +39,7 @@ class ServiceProcess:
     address: str  # HOST:PORT clients use
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)  # added to this process's environment
+    tls: ChannelTls | None = None  # how clients reach it, when it serves TLS
     process: subprocess.Popen | None = None
     log_start: int = 0  # where this run's lines begin: a reused log directory keeps earlier runs'
 
@@ -102,6 +104,7 @@ class PlatformConfig:
     worker_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # for every service, e.g. OTEL_* variables
     grace_s: float = 15.0  # the scheduler's to finish in-flight requests on SIGTERM
+    engine_tls: ChannelTls | None = None  # how to reach the Engine API when scheduler_args make it serve TLS
 
     @property
     def draining_grace_s(self) -> float:
@@ -147,6 +150,7 @@ class LocalPlatform:
             f"{_client_host(config.engine_host)}:{config.engine_port}",
             config.log_dir / "scheduler.log",
             config.env,
+            tls=config.engine_tls,
         )
 
     @property
@@ -169,7 +173,7 @@ class LocalPlatform:
             await self.wait_serving(service, max(1.0, deadline - time.monotonic()))
 
     async def wait_serving(self, service: ServiceProcess, timeout_s: float) -> None:
-        waiting = asyncio.ensure_future(wait_until_serving(service.address, timeout_s))
+        waiting = asyncio.ensure_future(wait_until_serving(service.address, timeout_s, tls=service.tls))
         try:
             while not waiting.done():
                 if not service.running:

@@ -14,9 +14,9 @@ import sys
 import grpc
 
 from prefixcache.arg_types import text_file
-from prefixcache.cli.client_args import add_sampling, add_target, report_rpc_errors, sampling_kwargs
+from prefixcache.cli.client_args import add_sampling, add_target, engine_connection, report_rpc_errors, sampling_kwargs
 from prefixcache.cli.generate import print_usage
-from prefixcache.client import Completion, EngineClient, build_request
+from prefixcache.client import Completion, build_request
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         sampling = sampling_kwargs(args)
-    except ValueError as error:  # an empty (or not UTF-8) $PREFIXCACHE_CACHE_SALT
+        connection = engine_connection(args)
+    except ValueError as error:  # an empty (or not UTF-8) $PREFIXCACHE_CACHE_SALT, an unreadable key or CA
         print(f"prefixcache chat: {error}", file=sys.stderr)
         return 2
     if isinstance(sys.stdin, io.TextIOWrapper):  # undecodable input is refused per line, not raised
@@ -41,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     async def main() -> int:
         failed = False
-        async with EngineClient(args.target) as engine:
+        async with connection.client() as engine:
             while True:
                 try:
                     line = input(prompt)

@@ -5,12 +5,15 @@ import argparse
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
 from prefixcache.arg_types import bounded_float, bounded_int, engine_target, non_empty, utf8_text
-from prefixcache.cli.salt_env import CACHE_SALT_ENV, cache_salt
-from prefixcache.client import DEFAULT_TARGET
+from prefixcache.cli.salt_env import API_KEY_ENV, CACHE_SALT_ENV, api_key, cache_salt
+from prefixcache.client import DEFAULT_TARGET, EngineClient
+from prefixcache.rpc.tls import ChannelTls
 
 INT32_MAX = 2**31 - 1
 UINT32_MAX = 2**32 - 1
@@ -19,6 +22,32 @@ UINT64_MAX = 2**64 - 1
 
 def add_target(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", type=engine_target, default=DEFAULT_TARGET, metavar="HOST:PORT", help=f"Engine API (default {DEFAULT_TARGET})")
+    parser.add_argument("--api-key-file", type=Path, metavar="FILE",
+                        help=f"the tenant's API key (default: ${API_KEY_ENV}; never on the command line, "
+                             "where other users' `ps` would see it)")
+    parser.add_argument("--tls-ca", type=Path, metavar="FILE", help="connect over TLS, trusting this CA (PEM)")
+    parser.add_argument("--tls-cert", type=Path, metavar="FILE", help="with --tls-ca: a client certificate (mutual TLS)")
+    parser.add_argument("--tls-key", type=Path, metavar="FILE", help="the private key of --tls-cert")
+
+
+@dataclass(frozen=True)
+class Connection:
+    """Where the Engine API is and how to reach it, files already read."""
+
+    target: str
+    api_key: str | None = field(default=None, repr=False)
+    tls: ChannelTls | None = None
+
+    def client(self) -> EngineClient:
+        return EngineClient(self.target, api_key=self.api_key, tls=self.tls)
+
+
+def engine_connection(args: argparse.Namespace) -> Connection:
+    """The connection the target flags ask for; ValueError for an unreadable file or a bad combination."""
+    if args.tls_ca is None and (args.tls_cert or args.tls_key):
+        raise ValueError("--tls-cert and --tls-key need --tls-ca")
+    tls = ChannelTls.from_files(args.tls_ca, args.tls_cert, args.tls_key) if args.tls_ca is not None else None
+    return Connection(args.target, api_key(args.api_key_file), tls)
 
 
 def add_sampling(parser: argparse.ArgumentParser) -> None:

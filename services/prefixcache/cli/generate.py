@@ -12,8 +12,8 @@ import json
 import sys
 
 from prefixcache.arg_types import bounded_int, text_file, utf8_text
-from prefixcache.cli.client_args import add_sampling, add_target, report_rpc_errors, sampling_kwargs
-from prefixcache.client import Completion, EngineClient, build_request
+from prefixcache.cli.client_args import add_sampling, add_target, engine_connection, report_rpc_errors, sampling_kwargs
+from prefixcache.client import Completion, build_request
 from prefixcache.step.messages import MAX_LOGPROBS
 
 
@@ -36,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         options = {"request_id": args.request_id, "logprobs": args.logprobs, **sampling_kwargs(args)}
-    except ValueError as error:  # an empty (or not UTF-8) $PREFIXCACHE_CACHE_SALT
+        connection = engine_connection(args)
+    except ValueError as error:  # an empty (or not UTF-8) $PREFIXCACHE_CACHE_SALT, an unreadable key or CA
         print(f"prefixcache generate: {error}", file=sys.stderr)
         return 2
     if args.system is not None:
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
 
     async def main() -> int:
         completion = Completion()
-        async with EngineClient(args.target) as engine:
+        async with connection.client() as engine:
             async for chunk in engine.generate(request):
                 completion.add(chunk)
                 if not args.json:

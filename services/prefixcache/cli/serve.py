@@ -21,6 +21,7 @@ import grpc
 
 from prefixcache.arg_types import block_size, bounded_int
 from prefixcache.block_identity.hashing import HASH_ALGOS
+from prefixcache.cli.salt_env import API_KEY_ENV, env_secret
 from prefixcache.client import Completion, EngineClient, build_request
 from prefixcache.launcher import LocalPlatform, PlatformConfig, default_log_dir
 from prefixcache.rpc.server import set_on_signals
@@ -69,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schedule-ahead", action=argparse.BooleanOptionalAction, default=True,
                         help="send a decode step while the one before it runs (default: on)")
     parser.add_argument("--metrics-port", type=bounded_int(1, 65535), help="serve the scheduler's Prometheus metrics on this port")
+    parser.add_argument("--tenants", type=Path, metavar="FILE",
+                        help="the scheduler's tenants file: every call must then carry a tenant's or an admin's "
+                             "credentials (--demo sends $PREFIXCACHE_API_KEY)")
     parser.add_argument("--log-dir", type=Path, help="where the services write their logs")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for all services")
     parser.add_argument("--grace", type=float, default=15.0, help="seconds in-flight requests get on shutdown")
@@ -85,7 +89,7 @@ def platform_config(args: argparse.Namespace, model_dir: Path) -> PlatformConfig
     if not args.schedule_ahead:
         scheduler_args.append("--no-schedule-ahead")
     for flag, value in (("--max-waiting", args.max_waiting), ("--max-model-len", args.max_model_len),
-                        ("--metrics-port", args.metrics_port)):
+                        ("--metrics-port", args.metrics_port), ("--tenants", args.tenants)):
         if value is not None:
             scheduler_args += [flag, str(value)]
     worker_args = ["--device", args.device]
@@ -172,7 +176,12 @@ async def _unless_stopped(work: Awaitable[T], stop: asyncio.Event) -> tuple[bool
 
 
 async def _demo(target: str) -> int:
-    async with EngineClient(target) as engine:
+    try:
+        key = env_secret(API_KEY_ENV)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    async with EngineClient(target, api_key=key) as engine:
         print(f"demo: two chat requests sharing a long system prompt ({len(DEMO_SYSTEM_PROMPT)} characters)")
         for number, question in enumerate(DEMO_QUESTIONS, start=1):
             request = build_request(

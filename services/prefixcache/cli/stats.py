@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
-from prefixcache.cli.client_args import add_target, report_rpc_errors
-from prefixcache.client import EngineClient
+from prefixcache.cli.client_args import add_target, engine_connection, report_rpc_errors
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,8 +14,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        connection = engine_connection(args)
+    except ValueError as error:  # an unreadable key or CA, an empty $PREFIXCACHE_API_KEY
+        print(f"prefixcache stats: {error}", file=sys.stderr)
+        return 2
+
     async def main() -> int:
-        async with EngineClient(args.target) as engine:
+        async with connection.client() as engine:
             stats = await engine.cache_stats()
         fields: dict[str, object] = {field.name: getattr(stats, field.name) for field in stats.DESCRIPTOR.fields}
         fields["hit_rate"] = stats.hit_tokens / stats.query_tokens if stats.query_tokens else 0.0

@@ -22,8 +22,7 @@ RECONNECT_OPTIONS = (
 
 
 def open_channel(target: str, tls: ChannelTls | None = None) -> aio.Channel:
-    """A channel to `target` (HOST:PORT) that propagates the trace context: TLS with `tls` (ValueError
-    for a file it cannot read), plaintext without."""
+    """A channel to `target` (HOST:PORT) that propagates the trace context: TLS with `tls`, plaintext without."""
     options = [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS]
     if tls is not None:
         return aio.secure_channel(target, tls.credentials(), options=options, interceptors=client_interceptors())

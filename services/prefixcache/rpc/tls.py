@@ -7,14 +7,14 @@ client certificates. The files are read again when they change (on the next hand
 rotated certificate, such as a renewed Kubernetes Secret, is served without a restart.
 
 A channel takes the CA that signed its server's certificate and, for mutual TLS, its own
-certificate and key; those are read when the channel opens.
+certificate and key, read once when the client starts.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -87,17 +87,22 @@ class _ReloadingCertificate:
 
 @dataclass(frozen=True)
 class ChannelTls:
-    """The CA a server's certificate must chain to and, for mutual TLS, this client's own pair."""
+    """The CA a server's certificate must chain to and, for mutual TLS, this client's own pair (PEM)."""
 
-    ca: Path
-    cert: Path | None = None
-    key: Path | None = None
+    ca: bytes
+    cert: bytes | None = None
+    key: bytes | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_files(cls, ca: Path, cert: Path | None = None, key: Path | None = None) -> ChannelTls:
+        """Raises ValueError naming an unreadable file, or a certificate without its key."""
+        if (cert is None) != (key is None):
+            raise ValueError("a client certificate and its key go together")
+        return cls(_read(ca, "CA certificate"), _read(cert, "client certificate") if cert else None,
+                   _read(key, "client key") if key else None)
 
     def credentials(self) -> grpc.ChannelCredentials:
-        """Raises ValueError for an unreadable file."""
-        own_key = _read(self.key, "client key") if self.key else None
-        own_cert = _read(self.cert, "client certificate") if self.cert else None
-        return grpc.ssl_channel_credentials(_read(self.ca, "CA certificate"), own_key, own_cert)
+        return grpc.ssl_channel_credentials(self.ca, self.key, self.cert)
 
 
 def add_server_tls_arguments(parser: argparse.ArgumentParser) -> None:

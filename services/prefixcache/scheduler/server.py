@@ -3,27 +3,36 @@
 `prefixcache scheduler --port 50051 --tokenizer HOST:PORT --worker HOST:PORT [--block-size 16]
 [--hash-algo sha256] [--no-prefix-caching] [--max-num-seqs 32] ...`. Health says SERVING once the
 worker has initialized its KV cache for our block size (the worker may start later: we keep trying).
-While a lost worker is being replaced, the Engine service's health says NOT_SERVING (the process's,
-"", stays SERVING, so a liveness probe does not restart a healthy scheduler).
-On SIGTERM, new requests are refused while in-flight ones get the grace period to finish.
+While a lost worker is being replaced, or the tokenizer does not answer, the Engine service's health
+says NOT_SERVING (the process's, "", stays SERVING, so a liveness probe does not restart a healthy
+scheduler). On SIGTERM, new requests are refused while in-flight ones get the grace period to finish.
+
+`--tenants FILE` turns tenancy on: every call must then authenticate as a tenant or an admin of that
+file (`prefixcache.scheduler.tenancy`), read again when it changes. `--tls-*` serve the Engine API
+over TLS; `--tokenizer-tls-ca`/`--worker-tls-ca` (with `--client-tls-cert`/`--client-tls-key` for
+mutual TLS) call the other services over TLS.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+from pathlib import Path
 
-from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
 from prefixcache.arg_types import block_size, listen_port
 from prefixcache.block_identity.hashing import HASH_ALGOS
 from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
 from prefixcache.rpc.server import Servicer, configure_logging, run_server
+from prefixcache.rpc.tls import ChannelTls, add_server_tls_arguments, server_tls
 from prefixcache.rpc.tracing import SpanRegistry
+from prefixcache.scheduler.api.codec import DEFAULT_MAX_PROMPT_BYTES
 from prefixcache.scheduler.api.servicer import SERVICE_NAME, EngineServicer
 from prefixcache.scheduler.config import SchedulerConfig
 from prefixcache.scheduler.engine import EngineCore, WorkerUnavailable
+from prefixcache.scheduler.readiness import Readiness
+from prefixcache.scheduler.tenancy import ConfigError, TenantRegistry
 from prefixcache.scheduler.tokenizer_client import TokenizerClient
 from prefixcache.scheduler.worker_client import GrpcStepExecutor
 
@@ -54,6 +63,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=listen_port, default=None, help="serve Prometheus metrics on this port")
     parser.add_argument("--grace", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--tenants", type=Path, metavar="FILE",
+                        help="tenants and admins with their credentials (JSON; read again when it changes); "
+                             "every call must then authenticate (default: no tenants, the local single-user mode)")
+    parser.add_argument("--max-prompt-bytes", type=int, default=DEFAULT_MAX_PROMPT_BYTES,
+                        help="refuse a text or chat prompt larger than this before tokenizing it")
+    add_server_tls_arguments(parser)
+    peers = parser.add_argument_group("TLS to the tokenizer and the worker (default: plaintext)")
+    peers.add_argument("--tokenizer-tls-ca", type=Path, metavar="FILE", help="CA of the tokenizer's certificate")
+    peers.add_argument("--worker-tls-ca", type=Path, metavar="FILE", help="CA of the worker's certificate")
+    peers.add_argument("--client-tls-cert", type=Path, metavar="FILE",
+                       help="this scheduler's certificate, for services that require one (mutual TLS)")
+    peers.add_argument("--client-tls-key", type=Path, metavar="FILE", help="the private key of --client-tls-cert")
 
 
 def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
@@ -69,25 +90,35 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
     )
 
 
+def peer_tls(args: argparse.Namespace, ca: Path | None) -> ChannelTls | None:
+    """TLS toward a service whose certificate `ca` signed (None: plaintext); ValueError naming a flag."""
+    if (args.client_tls_cert is None) != (args.client_tls_key is None):
+        raise ValueError("--client-tls-cert and --client-tls-key go together")
+    return ChannelTls.from_files(ca, args.client_tls_cert, args.client_tls_key) if ca is not None else None
+
+
 async def serve(args: argparse.Namespace) -> int:
     try:
+        registry = TenantRegistry(args.tenants) if args.tenants is not None else None
+    except (ConfigError, OSError) as error:  # a ConfigError names the field, never a value
+        log.error("--tenants %s: %s", args.tenants, error)
+        return 2
+    request_spans = SpanRegistry()
+    try:
         config = config_from_args(args)
+        tls = server_tls(args)
+        executor = GrpcStepExecutor(args.worker, request_spans=request_spans,
+                                    tls=peer_tls(args, args.worker_tls_ca))
+        tokenizer = TokenizerClient(args.tokenizer, tls=peer_tls(args, args.tokenizer_tls_ca))
     except ValueError as error:
         log.error("%s", error)
         return 2
-    request_spans = SpanRegistry()
-    executor = GrpcStepExecutor(args.worker, request_spans=request_spans)
-    tokenizer = TokenizerClient(args.tokenizer)
     engine = EngineCore(config, executor)
-    servicer = EngineServicer(engine, tokenizer, request_spans=request_spans)
+    servicer = EngineServicer(engine, tokenizer, request_spans=request_spans, registry=registry,
+                              max_prompt_bytes=args.max_prompt_bytes)
     health = health_aio.HealthServicer()
-
-    async def publish_worker_availability(available: bool) -> None:
-        # The Engine service, not the process: liveness ("") stays SERVING while a worker restarts.
-        status = health_pb2.HealthCheckResponse.SERVING if available else health_pb2.HealthCheckResponse.NOT_SERVING
-        await health.set(SERVICE_NAME, status)
-
-    engine.on_worker_availability = publish_worker_availability
+    readiness = Readiness(health, SERVICE_NAME, tokenizer.is_serving)
+    engine.on_worker_availability = readiness.worker_available
 
     async def start_engine() -> None:
         # Metrics first: a port that is taken fails the start at once, not after the worker's model
@@ -108,11 +139,16 @@ async def serve(args: argparse.Namespace) -> int:
             except WorkerUnavailable as error:
                 log.info("waiting for the worker: %s", error)
                 await asyncio.sleep(STARTUP_RETRY_S)
+        while not await tokenizer.is_serving():
+            log.info("waiting for the tokenizer at %s", tokenizer.target)
+            await asyncio.sleep(STARTUP_RETRY_S)
+        readiness.watch_tokenizer()
         info = engine.worker_info
         log.info("engine ready: %s, %d KV blocks of %d tokens", info.model_id, info.num_kv_blocks, config.block_size)
 
     async def stop_engine(grace_s: float) -> None:
         deadline = asyncio.get_running_loop().time() + grace_s
+        await readiness.stop()
         await engine.shutdown(grace_s)
         # Streams aborted at the deadline still send their final response: give them a moment.
         remaining = max(deadline - asyncio.get_running_loop().time(), ABORTED_STREAMS_CLOSE_S)
@@ -130,6 +166,7 @@ async def serve(args: argparse.Namespace) -> int:
         startup=start_engine,
         shutdown=stop_engine,
         health=health,
+        tls=tls,
     )
 
 

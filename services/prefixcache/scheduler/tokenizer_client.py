@@ -10,7 +10,8 @@ from prefixcache.model_store.tokenizer_identity import same_tokenizer
 from prefixcache.protos.common.v1 import chat_pb2
 from prefixcache.protos.tokenizer.v1 import tokenizer_pb2 as pb
 from prefixcache.protos.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
-from prefixcache.rpc.client import open_channel
+from prefixcache.rpc.client import is_serving, open_channel
+from prefixcache.rpc.tls import ChannelTls
 
 # Prompt ids sent as decoding context with a stream's first message (leading spaces depend on them).
 DETOKENIZE_CONTEXT_IDS = 8
@@ -34,9 +35,9 @@ class TokenizerClient:
     call takes the tokenizer id the worker's model expects and raises TokenizerMismatch if the
     reply came from another tokenizer: behind one Service, replicas of two models may answer."""
 
-    def __init__(self, target: str, timeout_s: float = 30.0):
+    def __init__(self, target: str, timeout_s: float = 30.0, tls: ChannelTls | None = None):
         self.target = target
-        self._channel = open_channel(target)
+        self._channel = open_channel(target, tls)
         self._stub = pb_grpc.TokenizerStub(self._channel)
         self._timeout_s = timeout_s
 
@@ -50,6 +51,10 @@ class TokenizerClient:
         reply = await self._stub.Tokenize(request, timeout=self._timeout_s)
         _check(reply.tokenizer_id, expected_tokenizer_id)
         return list(reply.token_ids)
+
+    async def is_serving(self) -> bool:
+        """Whether the tokenizer service answers its health check with SERVING."""
+        return await is_serving(self._channel)
 
     def detokenizer(self, prompt_ids: Sequence[int], expected_tokenizer_id: str) -> StreamingDetokenizer:
         return StreamingDetokenizer(self._stub, list(prompt_ids[-DETOKENIZE_CONTEXT_IDS:]), expected_tokenizer_id)

@@ -12,6 +12,7 @@ from opentelemetry.trace import SpanKind
 from prefixcache.protos.worker.v1 import worker_pb2 as pb
 from prefixcache.protos.worker.v1 import worker_pb2_grpc as pb_grpc
 from prefixcache.rpc.client import open_channel, status_of
+from prefixcache.rpc.tls import ChannelTls
 from prefixcache.rpc.tracing import SpanRegistry, quiet_span, tracing_enabled
 from prefixcache.scheduler.engine import WorkerInfo, WorkerUnavailable
 from prefixcache.step.codec import output_from_proto, step_to_proto
@@ -41,10 +42,11 @@ class GrpcStepExecutor:
         step_timeout_s: float = 300.0,
         init_timeout_s: float = 120.0,
         request_spans: SpanRegistry | None = None,
+        tls: ChannelTls | None = None,
     ):
         self.target = target
         self._request_spans = request_spans or SpanRegistry()
-        self._channel = open_channel(target)
+        self._channel = open_channel(target, tls)
         self._stub = pb_grpc.WorkerStub(self._channel)
         self._step_timeout_s = step_timeout_s
         self._init_timeout_s = init_timeout_s

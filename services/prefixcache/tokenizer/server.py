@@ -2,14 +2,20 @@
 
 Imports no torch and converts no model: the tokenizer image installs only the `tokenizer` extra.
 Without --model-dir it serves the default model where `prefixcache model pull` put it.
+
+Tokenizing and decoding run on a small thread pool, never on the event loop that answers every
+caller (and health checks), and a text or chat larger than `--max-input-bytes` is refused
+(INVALID_ARGUMENT) before any work: one huge input costs its sender an error and nobody else a delay.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 from grpc import aio
@@ -19,34 +25,49 @@ from prefixcache.model_store.store import default_model_dir, is_complete_model_d
 from prefixcache.protos.tokenizer.v1 import tokenizer_pb2 as pb
 from prefixcache.protos.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
 from prefixcache.rpc.server import Servicer, configure_logging, run_server
+from prefixcache.rpc.tls import add_server_tls_arguments, server_tls
 from prefixcache.tokenizer.text import ChatTemplateError, ChatTurn, IncrementalDetokenizer, TextTokenizer
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Tokenizer"].full_name
 
 log = logging.getLogger(__name__)
+# The scheduler's own bound on a text or chat prompt (`--max-prompt-bytes`) is the same by default.
+DEFAULT_MAX_INPUT_BYTES = 1024 * 1024
+# One pool per process, whatever the number of servicers (tests make many); threads start on first use.
+_THREADS = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
+T = TypeVar("T")
+
+
+async def _off_loop(function: Callable[..., T], *args: object) -> T:
+    return await asyncio.get_running_loop().run_in_executor(_THREADS, function, *args)
 
 
 class TokenizerServicer(pb_grpc.TokenizerServicer):
-    def __init__(self, tokenizer: TextTokenizer):
+    def __init__(self, tokenizer: TextTokenizer, max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES):
         self._tokenizer = tokenizer
+        self._max_input_bytes = max_input_bytes
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: aio.ServicerContext) -> pb.TokenizeResponse:
         kind = request.WhichOneof("input")
+        if kind is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "input: set text or chat")
+        size = len(request.text.encode()) if kind == "text" else request.chat.ByteSize()
+        if size > self._max_input_bytes:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{kind}: {size} bytes, more than the {self._max_input_bytes} allowed")
         if kind == "text":
-            ids = self._tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
-        elif kind == "chat":
+            ids = await _off_loop(self._tokenizer.encode, request.text, request.add_special_tokens)
+        else:
             turns = [ChatTurn(m.role, m.content) for m in request.chat.messages]
             try:
-                ids = self._tokenizer.encode_chat(turns, request.chat.add_generation_prompt)
+                ids = await _off_loop(self._tokenizer.encode_chat, turns, request.chat.add_generation_prompt)
             except ChatTemplateError as error:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        else:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "input: set text or chat")
         return pb.TokenizeResponse(token_ids=ids, tokenizer_id=self._tokenizer.tokenizer_id)
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context: aio.ServicerContext) -> pb.DetokenizeResponse:
         try:
-            text = self._tokenizer.decode(request.token_ids, request.skip_special_tokens)
+            text = await _off_loop(self._tokenizer.decode, list(request.token_ids), request.skip_special_tokens)
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         return pb.DetokenizeResponse(text=text)
@@ -76,8 +97,8 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
         )
 
 
-def servicer(tokenizer: TextTokenizer) -> Servicer:
-    instance = TokenizerServicer(tokenizer)
+def servicer(tokenizer: TextTokenizer, max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> Servicer:
+    instance = TokenizerServicer(tokenizer, max_input_bytes)
     return Servicer(SERVICE_NAME, lambda server: pb_grpc.add_TokenizerServicer_to_server(instance, server))
 
 
@@ -91,11 +112,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM: keep serving new calls until none has been in flight for this long "
                              "(for a tokenizer with a single scheduler; 0, the default: refuse new calls at once, "
                              "so that a scheduler's next calls go to another replica)")
+    parser.add_argument("--max-input-bytes", type=int, default=DEFAULT_MAX_INPUT_BYTES,
+                        help="refuse a text or chat larger than this (UTF-8 bytes; a chat as serialized)")
     parser.add_argument("--log-level", default="INFO")
+    add_server_tls_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
+    try:
+        tls = server_tls(args)
+    except ValueError as error:
+        log.error("%s", error)
+        return 2
     model_dir = args.model_dir or default_model_dir()
     if args.model_dir is None and not is_complete_model_dir(model_dir):
         # Converting the model needs the worker's packages, which this image does not install.
@@ -107,6 +136,6 @@ def run(args: argparse.Namespace) -> int:
         log.error("cannot load the tokenizer from %s: %s", model_dir, error)
         return 1
     return asyncio.run(
-        run_server("prefixcache-tokenizer", f"{args.host}:{args.port}", [servicer(tokenizer)], grace_s=args.grace,
-                   drain_idle_s=args.drain_idle)
+        run_server("prefixcache-tokenizer", f"{args.host}:{args.port}", [servicer(tokenizer, args.max_input_bytes)],
+                   grace_s=args.grace, drain_idle_s=args.drain_idle, tls=tls)
     )

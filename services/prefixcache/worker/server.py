@@ -20,6 +20,7 @@ from prefixcache.arg_types import listen_port
 from prefixcache.protos.worker.v1 import worker_pb2 as pb
 from prefixcache.protos.worker.v1 import worker_pb2_grpc as pb_grpc
 from prefixcache.rpc.server import Servicer, configure_logging, run_server
+from prefixcache.rpc.tls import add_server_tls_arguments, server_tls
 from prefixcache.step.codec import output_to_proto, step_from_proto
 from prefixcache.worker.compute_thread import ComputeThread
 from prefixcache.worker.openmp_wait import configure_openmp_wait
@@ -143,6 +144,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-idle", type=float, default=1.0,
                         help="on SIGTERM: stop once no step has arrived for this long (0: refuse new steps at once)")
     parser.add_argument("--log-level", default="INFO")
+    add_server_tls_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -155,6 +157,11 @@ def run(args: argparse.Namespace) -> int:
         parse_kv_cache_memory(args.kv_cache_memory)
     except ValueError as error:
         log.error("--kv-cache-memory: %s", error)
+        return 2
+    try:
+        tls = server_tls(args)
+    except ValueError as error:
+        log.error("%s", error)
         return 2
     servicer = WorkerServicer()
 
@@ -180,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
     registration = Servicer(SERVICE_NAME, lambda server: pb_grpc.add_WorkerServicer_to_server(servicer, server))
     return asyncio.run(
         run_server(
-            "prefixcache-worker", f"{args.host}:{args.port}", [registration], grace_s=args.grace, drain_idle_s=args.drain_idle, startup=load_model
+            "prefixcache-worker", f"{args.host}:{args.port}", [registration], grace_s=args.grace, drain_idle_s=args.drain_idle, startup=load_model,
+            tls=tls
         )
     )
