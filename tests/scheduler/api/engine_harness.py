@@ -11,6 +11,7 @@ from sim_worker import SimulatedWorker
 from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
 from prefixcache.scheduler.api.servicer import EngineServicer
 from prefixcache.scheduler.engine import EngineCore, SchedulerConfig, StepExecutor
+from prefixcache.scheduler.tenancy import TenantRegistry
 from prefixcache.scheduler.tokenizer_client import TokenizerClient
 from prefixcache.tokenizer.server import servicer as tokenizer_servicer
 from prefixcache.tokenizer.text import TextTokenizer
@@ -23,10 +24,12 @@ SPECIAL_IDS = tuple(range(17))  # SmolLM2's special tokens: never generated, so 
 async def engine_api(tokenizer: TextTokenizer, num_kv_blocks: int = 256, max_model_len: int = 4096,
                      worker_tokenizer_id: str = "", tokenizer_target: str | None = None,
                      worker_vocab_size: int | None = None,
-                     executor: StepExecutor | None = None) -> AsyncIterator[tuple[str, EngineCore]]:
+                     executor: StepExecutor | None = None, registry: TenantRegistry | None = None,
+                     config: SchedulerConfig | None = None) -> AsyncIterator[tuple[str, EngineCore]]:
     """(Engine API address, its EngineCore): a tokenizer server and an Engine server on loopback.
     `tokenizer_target` points the engine at another tokenizer address instead; `executor` runs the
-    steps instead of a simulated worker made from the other arguments."""
+    steps instead of a simulated worker made from the other arguments; `registry` turns tenancy on;
+    `config` replaces the engine's small-block configuration."""
     tokenizer_server, engine_server = aio.server(), aio.server()
     tokenizer_servicer(tokenizer).add_to_server(tokenizer_server)
     tokenizer_port = tokenizer_server.add_insecure_port("127.0.0.1:0")
@@ -34,10 +37,11 @@ async def engine_api(tokenizer: TextTokenizer, num_kv_blocks: int = 256, max_mod
     worker = executor or SimulatedWorker(
         num_kv_blocks=num_kv_blocks, vocab_size=worker_vocab_size or tokenizer.vocab_size, eos_token_ids=SPECIAL_IDS,
         max_model_len=max_model_len, tokenizer_id=worker_tokenizer_id)
-    engine = EngineCore(SchedulerConfig(block_size=4, max_num_batched_tokens=64, max_model_len=max_model_len), worker)
+    engine = EngineCore(config or SchedulerConfig(block_size=4, max_num_batched_tokens=64, max_model_len=max_model_len),
+                        worker)
     await engine.start()
     tokenizer_client = TokenizerClient(tokenizer_target or f"127.0.0.1:{tokenizer_port}")
-    pb_grpc.add_EngineServicer_to_server(EngineServicer(engine, tokenizer_client), engine_server)
+    pb_grpc.add_EngineServicer_to_server(EngineServicer(engine, tokenizer_client, registry=registry), engine_server)
     engine_port = engine_server.add_insecure_port("127.0.0.1:0")
     await engine_server.start()
     try:
