@@ -1,5 +1,5 @@
 """The Engine API on loopback for tests: a real tokenizer server and an Engine server over the
-simulated worker."""
+simulated worker, the Engine's with the services' message limits and malformed-request handling."""
 from __future__ import annotations
 
 import contextlib
@@ -9,6 +9,8 @@ from grpc import aio
 from sim_worker import SimulatedWorker
 
 from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
+from prefixcache.rpc.interceptors import MalformedRequestInterceptor
+from prefixcache.rpc.server import SERVER_OPTIONS
 from prefixcache.scheduler.api.servicer import EngineServicer
 from prefixcache.scheduler.engine import EngineCore, SchedulerConfig, StepExecutor
 from prefixcache.scheduler.tenancy import TenantRegistry
@@ -30,7 +32,8 @@ async def engine_api(tokenizer: TextTokenizer, num_kv_blocks: int = 256, max_mod
     `tokenizer_target` points the engine at another tokenizer address instead; `executor` runs the
     steps instead of a simulated worker made from the other arguments; `registry` turns tenancy on;
     `config` replaces the engine's small-block configuration."""
-    tokenizer_server, engine_server = aio.server(), aio.server()
+    tokenizer_server = aio.server()
+    engine_server = aio.server(interceptors=[MalformedRequestInterceptor()], options=SERVER_OPTIONS)
     tokenizer_servicer(tokenizer).add_to_server(tokenizer_server)
     tokenizer_port = tokenizer_server.add_insecure_port("127.0.0.1:0")
     await tokenizer_server.start()

@@ -196,17 +196,16 @@ def test_identical_prompts_of_two_tenants_never_hit_each_other(tokenizer: TextTo
 
 def test_a_huge_text_costs_its_sender_invalid_argument_and_nobody_else_anything(tokenizer: TextTokenizer,
                                                                                  tmp_path: Path) -> None:
-    """Attack 4: a text over the byte limit is refused by size before the tokenizer sees it; another
-    tenant's requests sent meanwhile are all served. (This in-process server keeps gRPC's 4 MB message
-    limit; the services' 64 MiB one, and a 50 MB text, are e2e/platform/test_security.py's.)"""
+    """Attack 4: a 50 MB text is refused by size before the tokenizer sees it; another tenant's
+    requests sent meanwhile are all served."""
     async def main() -> None:
         async with tenant_api(tokenizer, tmp_path) as (clients, _, _):
-            huge = clients["globex"].complete(build_request(text="a" * 3_000_000, max_tokens=1))
+            huge = clients["globex"].complete(build_request(text="a" * 50_000_000, max_tokens=1))
             others = [clients["acme"].complete(build_request(text=f"Hello number {i}", max_tokens=2)) for i in range(8)]
             results = await asyncio.gather(huge, *others, return_exceptions=True)
             error = results[0]
             assert isinstance(error, aio.AioRpcError) and error.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert error.details() == "text: 3000000 bytes, more than the 1048576 allowed"
+            assert error.details() == "text: 50000000 bytes, more than the 1048576 allowed"
             assert all(completion.finish_reason == "length" for completion in results[1:])
 
     asyncio.run(asyncio.wait_for(main(), 60))
