@@ -221,3 +221,38 @@ def test_skipped_special_tokens_cost_nothing_and_change_no_text(tokenizer: TextT
     assert "".join(pieces) == decode(stream, skip_special_tokens=True)
     assert pieces[-1].endswith("\ufffd")
     assert decoded_ids < 40 * len(stream)
+
+
+@pytest.mark.parametrize("kind", ["text", "chat"])
+def test_an_input_over_the_byte_limit_is_refused_before_any_work(tokenizer: TextTokenizer, kind: str) -> None:
+    from prefixcache.tokenizer.server import DEFAULT_MAX_INPUT_BYTES
+
+    big = "word " * (DEFAULT_MAX_INPUT_BYTES // 5 + 1)
+    request = (pb.TokenizeRequest(text=big) if kind == "text" else
+               pb.TokenizeRequest(chat=chat_pb2.ChatConversation(messages=[chat_pb2.ChatMessage(role="user", content=big)])))
+
+    async def body(stub: pb_grpc.TokenizerStub) -> None:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Tokenize(request)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        size = len(big.encode()) if kind == "text" else request.chat.ByteSize()
+        assert refused.value.details() == f"{kind}: {size} bytes, more than the {DEFAULT_MAX_INPUT_BYTES} allowed"
+
+    run(tokenizer, body)
+
+
+def test_tokenizing_runs_off_the_event_loop(tokenizer: TextTokenizer) -> None:
+    """Small calls sent while inputs near the limit are tokenized are answered too: the loop that
+    serves every caller is not the one tokenizing."""
+    near_limit = "a quick brown fox " * 50_000  # 900 kB of text
+
+    async def body(stub: pb_grpc.TokenizerStub) -> None:
+        big = [asyncio.ensure_future(stub.Tokenize(pb.TokenizeRequest(text=near_limit))) for _ in range(3)]
+        small = await asyncio.wait_for(stub.Tokenize(pb.TokenizeRequest(text="hello")), 30)
+        assert list(small.token_ids) == tokenizer.encode("hello")
+        finished_big = sum(task.done() for task in big)
+        replies = await asyncio.gather(*big)
+        assert all(len(reply.token_ids) > 100_000 for reply in replies)
+        assert finished_big == 0  # the small call waited for none of the big ones
+
+    run(tokenizer, body)

@@ -34,7 +34,8 @@ log = logging.getLogger(__name__)
 # The scheduler's own bound on a text or chat prompt (`--max-prompt-bytes`) is the same by default.
 DEFAULT_MAX_INPUT_BYTES = 1024 * 1024
 # One pool per process, whatever the number of servicers (tests make many); threads start on first use.
-_THREADS = ThreadPoolExecutor(2, thread_name_prefix="tokenize")
+# The tokenizer's Rust code runs without the GIL (`TextTokenizer.encode`), so they work in parallel.
+_THREADS = ThreadPoolExecutor(4, thread_name_prefix="tokenize")
 T = TypeVar("T")
 
 

@@ -60,7 +60,9 @@ class TextTokenizer:
         return None if token is None else self._tokenizer.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # `encode_batch` lets go of the GIL while it works (`encode` holds it): a long text tokenized on
+        # another thread then leaves the service's event loop free to answer everyone else.
+        return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         self.check_ids(token_ids)
