@@ -104,7 +104,9 @@ class PlatformConfig:
     worker_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # for every service, e.g. OTEL_* variables
     grace_s: float = 15.0  # the scheduler's to finish in-flight requests on SIGTERM
-    engine_tls: ChannelTls | None = None  # how to reach the Engine API when scheduler_args make it serve TLS
+    tokenizer_args: list[str] = field(default_factory=list)
+    # How to reach each service (by name) that its args make serve TLS: its readiness is checked so.
+    service_tls: dict[str, ChannelTls] = field(default_factory=dict)
 
     @property
     def draining_grace_s(self) -> float:
@@ -125,10 +127,11 @@ class LocalPlatform:
         draining = ["--drain-idle", str(DRAIN_IDLE_S), "--grace", str(config.draining_grace_s)]
         self.tokenizer = ServiceProcess(
             "tokenizer",
-            ["tokenizer", "--host", LOOPBACK, "--port", str(tokenizer_port), *model, *draining],
+            ["tokenizer", "--host", LOOPBACK, "--port", str(tokenizer_port), *model, *draining, *config.tokenizer_args],
             f"{LOOPBACK}:{tokenizer_port}",
             config.log_dir / "tokenizer.log",
             config.env,
+            tls=config.service_tls.get("tokenizer"),
         )
         self.worker = ServiceProcess(
             "worker",
@@ -139,6 +142,7 @@ class LocalPlatform:
             f"{LOOPBACK}:{worker_port}",
             config.log_dir / "worker.log",
             config.env,
+            tls=config.service_tls.get("worker"),
         )
         self.scheduler = ServiceProcess(
             "scheduler",
@@ -150,7 +154,7 @@ class LocalPlatform:
             f"{_client_host(config.engine_host)}:{config.engine_port}",
             config.log_dir / "scheduler.log",
             config.env,
-            tls=config.engine_tls,
+            tls=config.service_tls.get("scheduler"),
         )
 
     @property

@@ -9,6 +9,7 @@ once; calls still running after the grace are cancelled) and returns 0.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
@@ -48,6 +49,16 @@ class Servicer:
     add_to_server: Callable[[aio.Server], None]
 
 
+def add_health_port_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--health-port", type=int, metavar="PORT",
+                        help="also serve the health statuses alone, in plaintext, on this port of every interface "
+                             "(for Kubernetes' gRPC probes where --host is loopback or the service serves TLS)")
+
+
+def probe_address(args: argparse.Namespace) -> str | None:
+    return f"[::]:{args.health_port}" if args.health_port is not None else None
+
+
 def configure_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -64,6 +75,7 @@ async def run_server(
     ready: Callable[[int], None] | None = None,
     health: health_aio.HealthServicer | None = None,
     tls: ServerTls | None = None,
+    health_address: str | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT; return the process exit code.
 
@@ -74,7 +86,9 @@ async def run_server(
 
     `ready(port)` is called once the port is bound (port 0 picks a free one). Pass `health` to set
     a service's status yourself while serving; this sets every service's on start and stop. With
-    `tls`, the port serves TLS only (`rpc.tls`).
+    `tls`, the port serves TLS only (`rpc.tls`). `health_address` serves the same health statuses, and
+    nothing else, in plaintext: for Kubernetes' gRPC probes, which speak neither TLS nor loopback,
+    where the service itself listens on loopback only or serves TLS.
     """
     try:
         configure_tracing(service_name)
@@ -83,7 +97,7 @@ async def run_server(
         return 1
     try:
         return await _serve(service_name, address, servicers, grace_s, drain_idle_s, startup, shutdown, ready, health,
-                            tls)
+                            tls, health_address)
     finally:
         shutdown_tracing()  # spans of a failed start are worth having too
 
@@ -99,6 +113,7 @@ async def _serve(
     ready: Callable[[int], None] | None,
     health: health_aio.HealthServicer | None,
     tls: ServerTls | None,
+    health_address: str | None,
 ) -> int:
     activity = CallActivity() if drain_idle_s > 0 else None
     interceptors = [MalformedRequestInterceptor(), *([activity] if activity else []), ServerTracingInterceptor()]
@@ -114,13 +129,24 @@ async def _serve(
     except ValueError as error:
         log.error("%s cannot start: %s", service_name, error)
         return 1
+    probes = aio.server(options=SERVER_OPTIONS) if health_address is not None else None
+    if probes is not None:
+        health_pb2_grpc.add_HealthServicer_to_server(health, probes)
     try:
         port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as error:
         log.error("cannot listen on %s: %s", address, error)
         return 1
+    if probes is not None:
+        try:
+            probes.add_insecure_port(health_address)
+        except RuntimeError as error:
+            log.error("cannot listen on %s (health checks): %s", health_address, error)
+            return 1
     await _set_health(health, names, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()
+    if probes is not None:
+        await probes.start()
     if ready is not None:
         ready(port)
     log.info("%s listening on port %d", service_name, port)
@@ -138,7 +164,7 @@ async def _serve(
             starting.cancel()
         elif starting.exception() is not None:
             log.error("%s failed to start: %s", service_name, starting.exception())
-            await server.stop(0)
+            await _stop_servers((server, probes), 0)
             return 1
     if not stop.is_set():
         await _set_health(health, names, health_pb2.HealthCheckResponse.SERVING)
@@ -155,8 +181,14 @@ async def _serve(
         log.warning("%s: calls still arriving after the grace period; stopping anyway", service_name)
     if shutdown is not None:
         await shutdown(grace_s)
-    await server.stop(grace_s)
+    await _stop_servers((server, probes), grace_s)
     return 0
+
+
+async def _stop_servers(servers: tuple[aio.Server | None, ...], grace_s: float) -> None:
+    for server in servers:
+        if server is not None:
+            await server.stop(grace_s)
 
 
 def _enable_reflection(service_names: list[str], server: aio.Server) -> None:

@@ -24,7 +24,7 @@ from grpc_health.v1.health import aio as health_aio
 from prefixcache.arg_types import block_size, listen_port
 from prefixcache.block_identity.hashing import HASH_ALGOS
 from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
-from prefixcache.rpc.server import Servicer, configure_logging, run_server
+from prefixcache.rpc.server import Servicer, add_health_port_argument, configure_logging, probe_address, run_server
 from prefixcache.rpc.tls import ChannelTls, add_server_tls_arguments, server_tls
 from prefixcache.rpc.tracing import SpanRegistry
 from prefixcache.scheduler.api.codec import DEFAULT_MAX_PROMPT_BYTES
@@ -68,6 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "every call must then authenticate (default: no tenants, the local single-user mode)")
     parser.add_argument("--max-prompt-bytes", type=int, default=DEFAULT_MAX_PROMPT_BYTES,
                         help="refuse a text or chat prompt larger than this before tokenizing it")
+    add_health_port_argument(parser)
     add_server_tls_arguments(parser)
     peers = parser.add_argument_group("TLS to the tokenizer and the worker (default: plaintext)")
     peers.add_argument("--tokenizer-tls-ca", type=Path, metavar="FILE", help="CA of the tokenizer's certificate")
@@ -166,7 +167,7 @@ async def serve(args: argparse.Namespace) -> int:
         startup=start_engine,
         shutdown=stop_engine,
         health=health,
-        tls=tls,
+        tls=tls, health_address=probe_address(args),
     )
 
 

@@ -24,7 +24,7 @@ from prefixcache.arg_types import listen_port
 from prefixcache.model_store.store import default_model_dir, is_complete_model_dir
 from prefixcache.protos.tokenizer.v1 import tokenizer_pb2 as pb
 from prefixcache.protos.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
-from prefixcache.rpc.server import Servicer, configure_logging, run_server
+from prefixcache.rpc.server import Servicer, add_health_port_argument, configure_logging, probe_address, run_server
 from prefixcache.rpc.tls import add_server_tls_arguments, server_tls
 from prefixcache.tokenizer.text import ChatTemplateError, ChatTurn, IncrementalDetokenizer, TextTokenizer
 
@@ -116,6 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-input-bytes", type=int, default=DEFAULT_MAX_INPUT_BYTES,
                         help="refuse a text or chat larger than this (UTF-8 bytes; a chat as serialized)")
     parser.add_argument("--log-level", default="INFO")
+    add_health_port_argument(parser)
     add_server_tls_arguments(parser)
 
 
@@ -138,5 +139,5 @@ def run(args: argparse.Namespace) -> int:
         return 1
     return asyncio.run(
         run_server("prefixcache-tokenizer", f"{args.host}:{args.port}", [servicer(tokenizer, args.max_input_bytes)],
-                   grace_s=args.grace, drain_idle_s=args.drain_idle, tls=tls)
+                   grace_s=args.grace, drain_idle_s=args.drain_idle, tls=tls, health_address=probe_address(args))
     )

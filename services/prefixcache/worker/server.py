@@ -19,7 +19,7 @@ from grpc import aio
 from prefixcache.arg_types import listen_port
 from prefixcache.protos.worker.v1 import worker_pb2 as pb
 from prefixcache.protos.worker.v1 import worker_pb2_grpc as pb_grpc
-from prefixcache.rpc.server import Servicer, configure_logging, run_server
+from prefixcache.rpc.server import Servicer, add_health_port_argument, configure_logging, probe_address, run_server
 from prefixcache.rpc.tls import add_server_tls_arguments, server_tls
 from prefixcache.step.codec import output_to_proto, step_from_proto
 from prefixcache.worker.compute_thread import ComputeThread
@@ -144,6 +144,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-idle", type=float, default=1.0,
                         help="on SIGTERM: stop once no step has arrived for this long (0: refuse new steps at once)")
     parser.add_argument("--log-level", default="INFO")
+    add_health_port_argument(parser)
     add_server_tls_arguments(parser)
 
 
@@ -188,6 +189,6 @@ def run(args: argparse.Namespace) -> int:
     return asyncio.run(
         run_server(
             "prefixcache-worker", f"{args.host}:{args.port}", [registration], grace_s=args.grace, drain_idle_s=args.drain_idle, startup=load_model,
-            tls=tls
+            tls=tls, health_address=probe_address(args)
         )
     )

@@ -55,7 +55,7 @@ class Principal:
     admin: bool = False
     salt: str | None = field(default=None, repr=False)
     shared: bool = False
-    limits: TenantLimits = TenantLimits()
+    limits: TenantLimits = field(default_factory=TenantLimits)
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class TenantsConfig:
     tenants: tuple[Principal, ...] = ()
     admins: tuple[Principal, ...] = ()
     salt_key: bytes | None = field(default=None, repr=False)
-    limits: TenantLimits = TenantLimits()
+    limits: TenantLimits = field(default_factory=TenantLimits)
 
     @property
     def principals(self) -> tuple[Principal, ...]:

@@ -31,7 +31,7 @@ class Identity:
     role: Role
     label: str = ""  # one-way (`TenantSalts.label_for`): for traces and request-id scopes; "" when anonymous
     salt: str | None = field(default=None, repr=False)  # a tenant's blocks' salt
-    limits: TenantLimits = TenantLimits()
+    limits: TenantLimits = field(default_factory=TenantLimits)
 
 
 ANONYMOUS = Identity(Role.ANONYMOUS)
