@@ -22,6 +22,7 @@ SPEC = {  # a PrefixCacheDeployment spec, and below the same settings as chart v
     "kvCacheMemory": "3Gi", "image": "registry.example/prefixcache:1.2.3",
     "model": {"source": "PersistentVolumeClaim", "claimName": "models", "path": "hf/smol"},
     "tenantSalts": {"secretName": "tenant-salts", "key": "hmac"},
+    "tenants": {"secretName": "chat-tenants", "key": "tenants-v2.json"}, "tls": {"secretName": "chat-engine-tls"},
     "worker": {"gpus": 1, "dtype": "bfloat16", "resources": {"requests": {"memory": "8Gi"}},
                "nodeSelector": {"cloud.google.com/gke-accelerator": "nvidia-l4"},
                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
@@ -76,6 +77,8 @@ def test_default_values_match_the_schema(chart: Any) -> None:
     ({"model": {"source": "PersistentVolumeClaim", "claimName": ""}}, "claimName"),
     ({"model": {"source": "PersistentVolumeClaim", "claimName": "m", "path": "../etc"}}, "path"),
     ({"tenantSalts": {"secretName": "s", "acme": "inline-salt"}}, "acme"),
+    ({"tenants": {"secretName": "s", "apiKeys": ["inline-key"]}}, "apiKeys"),
+    ({"tls": {"secretName": "Not A Name"}}, "secretName"),
     ({"kvCacheMemoryBytes": "2Gi"}, "kvCacheMemoryBytes"),
     ({"worker": {"gpus": 2}}, "gpus"),  # a worker runs on one device
     ({"worker": {"gpuResource": "not a resource"}}, "gpuResource"),

@@ -23,6 +23,8 @@ FULL_SPEC = {
     "model": {"source": "PersistentVolumeClaim", "claimName": "models", "path": "hf/SmolLM2-135M-Instruct/",
               "id": "HuggingFaceTB/SmolLM2-135M-Instruct"},
     "tenantSalts": {"secretName": "tenant-salts", "key": "hmac"},
+    "tenants": {"secretName": "chat-tenants", "key": "tenants-v2.json"},
+    "tls": {"secretName": "chat-engine-tls"},
     "worker": {"gpus": 1, "dtype": "bfloat16", "attentionBackend": "triton",
                "resources": {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "32Gi"}},
                "nodeSelector": {"cloud.google.com/gke-accelerator": "nvidia-l4"},
@@ -68,7 +70,8 @@ def test_strict_validation_catches_a_misspelt_field() -> None:
 
 def test_the_stack_and_its_ownership(rendered: list[dict[str, Any]]) -> None:
     assert sorted(by_name(rendered)) == [("ConfigMap", "chat-env"), ("Deployment", "chat-engine"),
-                                         ("Deployment", "chat-tokenizer"), ("Service", "chat"),
+                                         ("Deployment", "chat-tokenizer"), ("NetworkPolicy", "chat-engine"),
+                                         ("NetworkPolicy", "chat-tokenizer"), ("Service", "chat"),
                                          ("Service", "chat-tokenizer")]
     for obj in rendered:
         assert obj["metadata"]["namespace"] == "serving"
@@ -94,9 +97,12 @@ def test_spec_becomes_exact_command_lines() -> None:
     assert engine["scheduler"]["args"] == [
         "scheduler", "--port", "50051", "--tokenizer", "chat-tokenizer.serving.svc:50053",
         "--worker", "127.0.0.1:50052", "--block-size", "32", "--hash-algo", "xxhash", "--max-num-seqs", "64",
-        "--metrics-port", "9090", "--grace", "105", "--no-prefix-caching"]
+        "--metrics-port", "9090", "--grace", "105", "--health-port", "50055", "--no-prefix-caching",
+        "--tenants", "/etc/prefixcache/tenants/tenants.json",
+        "--tls-cert", "/etc/prefixcache/tls/tls.crt", "--tls-key", "/etc/prefixcache/tls/tls.key"]
     assert engine["worker"]["args"] == [
-        "worker", "--port", "50052", "--grace", "10", "--model-dir", "/models/hf/SmolLM2-135M-Instruct",
+        "worker", "--host", "127.0.0.1", "--port", "50052", "--health-port", "50054", "--grace", "10",
+        "--model-dir", "/models/hf/SmolLM2-135M-Instruct",
         "--kv-cache-memory", str(6 * 2**30), "--device", "cuda", "--dtype", "bfloat16",
         "--attention-backend", "triton"]
     tokenizer = containers(objects["Deployment", "chat-tokenizer"])["tokenizer"]
@@ -110,10 +116,10 @@ def test_spec_becomes_exact_command_lines() -> None:
 def test_defaults_use_the_embedded_model_and_leave_worker_choices_to_the_worker() -> None:
     objects = by_name(render(OWNER, parse_spec({})))
     engine = containers(objects["Deployment", "chat-engine"])
-    assert engine["worker"]["args"] == ["worker", "--port", "50052", "--grace", "10", "--model-dir",
-                                        "/opt/prefixcache/models/SmolLM2-135M-Instruct",
+    assert engine["worker"]["args"] == ["worker", "--host", "127.0.0.1", "--port", "50052", "--health-port", "50054",
+                                        "--grace", "10", "--model-dir", "/opt/prefixcache/models/SmolLM2-135M-Instruct",
                                         "--kv-cache-memory", str(2 * 2**30), "--device", "cuda"]
-    assert "--no-prefix-caching" not in engine["scheduler"]["args"]
+    assert not {"--no-prefix-caching", "--tenants", "--tls-cert"} & set(engine["scheduler"]["args"])
     pod = objects["Deployment", "chat-engine"]["spec"]["template"]["spec"]
     assert [v["name"] for v in pod["volumes"]] == ["tmp"]  # no model volume
     assert "PREFIXCACHE_TENANT_SALT_KEY" not in {e["name"] for e in engine["scheduler"]["env"]}
@@ -154,9 +160,12 @@ def test_model_claim_is_mounted_read_only_where_needed() -> None:
 
 
 def test_every_container_is_probed_over_grpc_health(rendered: list[dict[str, Any]]) -> None:
+    """On its plaintext health port where it has one (the worker listens on loopback, the Engine API
+    may serve TLS: the kubelet's gRPC probes reach neither), else on its service port."""
     for deployment in (o for o in rendered if o["kind"] == "Deployment"):
         for container in containers(deployment).values():
-            port = container["ports"][0]["containerPort"]
+            ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+            port = ports.get("health", ports.get("grpc"))
             for probe in ("startupProbe", "livenessProbe"):
                 assert container[probe]["grpc"] == {"port": port}, (container["name"], probe)
             # The scheduler is ready while its Engine can serve (not while it waits for a worker).
@@ -224,6 +233,45 @@ def test_tenant_salt_key_reaches_only_the_scheduler_and_only_by_reference() -> N
     assert [r for r in references if r[1]] == [("chat-engine", 1)]  # once, in the scheduler
     assert "PREFIXCACHE_TENANT_SALT_KEY" not in {e["name"] for e in engine["worker"]["env"]}
     assert "tenant-salts" not in yaml.safe_dump(objects["ConfigMap", "chat-env"])
+
+
+def test_the_worker_is_reachable_from_its_scheduler_only() -> None:
+    """Attack 2 of issue 29: a worker on the pod's IP obeyed anyone's ExecuteStep and InitializeCache."""
+    objects = by_name(render(OWNER, parse_spec({})))
+    worker = containers(objects["Deployment", "chat-engine"])["worker"]
+    args = worker["args"]
+    assert args[args.index("--host") + 1] == "127.0.0.1"
+    assert [p["name"] for p in worker["ports"]] == ["health"]  # the Worker API itself is not a container port
+    engine_policy = objects["NetworkPolicy", "chat-engine"]["spec"]
+    assert engine_policy["podSelector"]["matchLabels"] == objects["Service", "chat"]["spec"]["selector"]
+    allowed = {port["port"] for rule in engine_policy["ingress"] for port in rule["ports"]}
+    assert 50052 not in allowed and {50051, 9090} <= allowed
+
+
+def test_the_tokenizer_takes_calls_from_the_stacks_engine_pods_only() -> None:
+    objects = by_name(render(OWNER, parse_spec({})))
+    policy = objects["NetworkPolicy", "chat-tokenizer"]["spec"]
+    assert policy["podSelector"]["matchLabels"] == objects["Service", "chat-tokenizer"]["spec"]["selector"]
+    (rule,) = policy["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": objects["Service", "chat"]["spec"]["selector"]}}]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 50053}]
+
+
+def test_the_tenants_file_and_the_certificate_are_mounted_secrets_that_can_rotate() -> None:
+    """Mounted as directories, not by subPath and not as environment: the kubelet updates them in place,
+    and the scheduler reads the new tenants file and certificate without a restart."""
+    objects = by_name(render(OWNER, parse_spec(FULL_SPEC)))
+    pod = objects["Deployment", "chat-engine"]["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["tenants"]["secret"] == {"secretName": "chat-tenants",
+                                            "items": [{"key": "tenants-v2.json", "path": "tenants.json"}]}
+    assert volumes["engine-tls"]["secret"] == {"secretName": "chat-engine-tls"}
+    engine = containers(objects["Deployment", "chat-engine"])
+    mounts = {m["name"]: m for m in engine["scheduler"]["volumeMounts"]}
+    assert mounts["tenants"] == {"name": "tenants", "mountPath": "/etc/prefixcache/tenants", "readOnly": True}
+    assert mounts["engine-tls"] == {"name": "engine-tls", "mountPath": "/etc/prefixcache/tls", "readOnly": True}
+    assert not any("subPath" in m for c in engine.values() for m in c["volumeMounts"])
+    assert {"tenants", "engine-tls"}.isdisjoint(m["name"] for m in engine["worker"]["volumeMounts"])
 
 
 def test_pods_run_unprivileged_without_api_access(rendered: list[dict[str, Any]]) -> None:

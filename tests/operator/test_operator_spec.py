@@ -93,6 +93,10 @@ def test_defaults_fill_gaps_but_keep_given_values() -> None:
     assert spec.kv_cache_memory_bytes == 8 * 2**30
     assert (spec.tenant_salts.secret_name, spec.tenant_salts.key) == ("tenant-salts", "key")
     assert spec.otel_endpoint == "http://otel:4317"
+    assert spec.tenants is None and spec.tls is None
+    secured = parse_spec({"tenants": {"secretName": "chat-tenants"}, "tls": {"secretName": "chat-tls"}})
+    assert (secured.tenants.secret_name, secured.tenants.key, secured.tls.secret_name) == (
+        "chat-tenants", "tenants.json", "chat-tls")
 
 
 @pytest.mark.parametrize(("raw", "field"), [
@@ -122,6 +126,9 @@ def test_defaults_fill_gaps_but_keep_given_values() -> None:
     pytest.param({"tenantSalts": {"secretName": "s", "salts": {"acme": "x"}}}, "spec.tenantSalts.salts: unknown field",
                  id="inline-salts-refused"),
     pytest.param({"tenantSalts": {}}, "spec.tenantSalts: 'secretName' is a required property", id="salts-no-secret"),
+    pytest.param({"tenants": {"secretName": "s", "apiKeys": ["k"]}}, "spec.tenants.apiKeys: unknown field",
+                 id="inline-keys-refused"),
+    pytest.param({"tls": {}}, "spec.tls: 'secretName' is a required property", id="tls-no-secret"),
     pytest.param({"otel": {"endpoint": "otel:4317"}}, "spec.otel.endpoint: 'otel:4317' does not match",
                  id="otel-endpoint-scheme"),
     pytest.param({"blocksize": 16}, "spec.blocksize: unknown field", id="typo"),

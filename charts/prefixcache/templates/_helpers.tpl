@@ -43,8 +43,9 @@ OTEL_LOGS_EXPORTER: none
 {{ include "prefixcache.configData" . | fromYaml | toJson | sha256sum }}
 {{- end }}
 
-{{/* One service container. Arguments: root, name, args (list), port, startupSeconds, resources (dict);
-     optional extraEnv, extraMounts, extraPorts (lists), restartPolicy (a native sidecar) and
+{{/* One service container. Arguments: root, name, args (list), port (none for a service on loopback
+     only), startupSeconds, resources (dict); optional healthPort (the plaintext health port the probes
+     then check), extraEnv, extraMounts, extraPorts (lists), restartPolicy (a native sidecar) and
      readyService (the gRPC health service readiness checks, instead of the process's). */}}
 {{- define "prefixcache.container" -}}
 - name: {{ .name }}
@@ -55,7 +56,12 @@ OTEL_LOGS_EXPORTER: none
   restartPolicy: {{ . }}
   {{- end }}
   ports:
-    - {name: grpc, containerPort: {{ .port }}, protocol: TCP}
+    {{- with .port }}
+    - {name: grpc, containerPort: {{ . }}, protocol: TCP}
+    {{- end }}
+    {{- with .healthPort }}
+    - {name: health, containerPort: {{ . }}, protocol: TCP}
+    {{- end }}
     {{- with .extraPorts }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -71,9 +77,10 @@ OTEL_LOGS_EXPORTER: none
     {{- with .extraEnv }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
-  startupProbe: {grpc: {port: {{ .port }}}, periodSeconds: 5, failureThreshold: {{ div .startupSeconds 5 }}}
-  readinessProbe: {grpc: {port: {{ .port }}{{ with .readyService }}, service: {{ . }}{{ end }}}, periodSeconds: 5, failureThreshold: 2}
-  livenessProbe: {grpc: {port: {{ .port }}}, periodSeconds: 10, failureThreshold: 3, timeoutSeconds: 5}
+  {{- $probed := .healthPort | default .port }}
+  startupProbe: {grpc: {port: {{ $probed }}}, periodSeconds: 5, failureThreshold: {{ div .startupSeconds 5 }}}
+  readinessProbe: {grpc: {port: {{ $probed }}{{ with .readyService }}, service: {{ . }}{{ end }}}, periodSeconds: 5, failureThreshold: 2}
+  livenessProbe: {grpc: {port: {{ $probed }}}, periodSeconds: 10, failureThreshold: 3, timeoutSeconds: 5}
   securityContext: {allowPrivilegeEscalation: false, capabilities: {drop: [ALL]}}
   volumeMounts:
     - {name: tmp, mountPath: /tmp}
@@ -148,6 +155,9 @@ imagePullSecrets:
 - apiGroups: [""]
   resources: [services, configmaps]
   verbs: [get, list, watch, create, patch]  # watched: a deleted or changed child is put back
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
   resources: [events]
   verbs: [create]

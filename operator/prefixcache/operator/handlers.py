@@ -138,6 +138,7 @@ def reconcile(body: kopf.Body, spec: kopf.Spec, status: kopf.Status, meta: kopf.
 @kopf.on.event("apps", "v1", "deployments", labels=_MANAGED)
 @kopf.on.event("", "v1", "services", labels=_MANAGED)
 @kopf.on.event("", "v1", "configmaps", labels=_MANAGED)
+@kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=_MANAGED)
 def child_changed(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     """A child was changed, deleted or moved on: put back what drifted from the spec (a deleted
     Service, a hand-scaled Deployment), and let Ready follow the Deployments."""

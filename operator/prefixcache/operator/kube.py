@@ -40,6 +40,7 @@ _KINDS = {
     "ConfigMap": _KindApi(client.CoreV1Api, "config_map"),
     "Service": _KindApi(client.CoreV1Api, "service"),
     "Deployment": _KindApi(client.AppsV1Api, "deployment"),
+    "NetworkPolicy": _KindApi(client.NetworkingV1Api, "network_policy"),
 }
 
 

@@ -6,12 +6,20 @@
              │
     Service <name>-tokenizer  :50053 ◄── Deployment <name>-tokenizer
     ConfigMap <name>-env      environment shared by every container (tracing)
+    NetworkPolicy <name>-engine, <name>-tokenizer   who may connect to which pod, on which port
 
 A scheduler owns the KV cache of exactly one worker (its block table is that worker's memory), so the two
 share a pod and talk over loopback; scaling adds whole scheduler+worker pairs, each with its own cache.
 The worker is a native sidecar (an init container with restartPolicy Always, Kubernetes >= 1.29): it is
 SERVING before the scheduler starts, and it gets SIGTERM only after the scheduler has drained, so in-flight
 requests finish on a live worker.
+The worker listens on loopback only: its scheduler alone can drive it (a foreign ExecuteStep would
+overwrite cached KV, a foreign InitializeCache wipe it). Kubernetes' gRPC probes reach neither loopback
+nor TLS, so the worker and the scheduler also serve their health statuses alone on a plaintext port.
+The NetworkPolicies let the engine pods be reached on the Engine API, metrics and health ports only,
+and the tokenizer by the engine pods only. With `tenants`, the scheduler reads the tenants file from
+its mounted Secret (and again when the Secret changes); with `tls`, it serves the Engine API over TLS
+from a mounted kubernetes.io/tls Secret.
 The tokenizer is stateless and shared. No function here talks to a cluster; every object carries an
 ownerReference to the PrefixCacheDeployment so deleting it garbage-collects the stack.
 """
@@ -30,6 +38,8 @@ ENGINE_PORT = 50051
 ENGINE_SERVICE = "prefixcache.engine.v1.Engine"  # the Engine API's gRPC name, as its health service
 TOKENIZER_PORT = 50053  # the services' own default ports
 WORKER_PORT = 50052
+WORKER_HEALTH_PORT = 50054  # plaintext health only, for the probes: the worker itself listens on loopback
+SCHEDULER_HEALTH_PORT = 50055  # plaintext health only, for the probes: the Engine API may serve TLS
 METRICS_PORT = 9090  # the scheduler's Prometheus endpoint (prefix-cache counters)
 WORKER_GRACE_SECONDS = 10  # a running step's time to finish once the worker gets SIGTERM
 # A tokenizer pod's termination grace, and its streams' share of it: a stopping tokenizer refuses
@@ -42,6 +52,11 @@ EMBEDDED_MODEL_DIR = "/opt/prefixcache/models/SmolLM2-135M-Instruct"
 MODEL_MOUNT = "/models"
 # The scheduler derives each tenant's salt as HMAC-SHA256(key, tenant); every replica needs the same key.
 TENANT_SALT_KEY_ENV = "PREFIXCACHE_TENANT_SALT_KEY"
+# Secrets are mounted as directories, never by subPath: the kubelet updates those, so keys and
+# certificates rotate without a restart.
+TENANTS_DIR = "/etc/prefixcache/tenants"
+TENANTS_FILE = "tenants.json"
+ENGINE_TLS_DIR = "/etc/prefixcache/tls"
 RUN_AS_USER = 10001  # the image's unprivileged user
 CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
 MANAGED_BY = "prefixcache-operator"
@@ -115,6 +130,7 @@ def render(owner: Owner, spec: PrefixCacheSpec) -> list[dict[str, Any]]:
         _tokenizer_deployment(owner, spec, config_hash),
         _service(owner, "engine", owner.engine_service, ENGINE_PORT),
         _engine_deployment(owner, spec, config_hash),
+        *_network_policies(owner),
     ]
 
 
@@ -168,6 +184,26 @@ def _model_volumes(spec: PrefixCacheSpec) -> tuple[list[dict[str, Any]], list[di
     return [volume], [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}]
 
 
+def _network_policies(owner: Owner) -> list[dict[str, Any]]:
+    """Engine pods take the Engine API, metrics and the probes' health ports from anyone (the Engine
+    API authenticates its callers), never the worker's port; tokenizer pods take calls from this
+    stack's engine pods only. (Kubernetes always lets a node's kubelet probe its pods.)"""
+    def policy(component: str, ingress: dict[str, Any]) -> dict[str, Any]:
+        return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                "metadata": _metadata(owner, f"{owner.name}-{component}", component),
+                "spec": {"podSelector": {"matchLabels": selector_labels(owner, component)},
+                         "policyTypes": ["Ingress"], "ingress": [ingress]}}
+
+    def tcp(*ports: int) -> list[dict[str, Any]]:
+        return [{"protocol": "TCP", "port": port} for port in ports]
+
+    return [
+        policy("engine", {"ports": tcp(ENGINE_PORT, METRICS_PORT, SCHEDULER_HEALTH_PORT, WORKER_HEALTH_PORT)}),
+        policy("tokenizer", {"from": [{"podSelector": {"matchLabels": selector_labels(owner, "engine")}}],
+                             "ports": tcp(TOKENIZER_PORT)}),
+    ]
+
+
 def _grpc_probes(port: int, startup_seconds: int, ready_service: str | None) -> dict[str, Any]:
     """gRPC health checking (grpc.health.v1) on the container's own port: startup covers model loading,
     readiness gates traffic (on `ready_service`'s status if given, else the process's), liveness
@@ -183,14 +219,20 @@ def _grpc_probes(port: int, startup_seconds: int, ready_service: str | None) -> 
     }
 
 
-def _container(owner: Owner, name: str, spec: PrefixCacheSpec, args: list[str], port: int,
-               startup_seconds: int, resources: Resources, ready_service: str | None = None) -> dict[str, Any]:
+def _container(owner: Owner, name: str, spec: PrefixCacheSpec, args: list[str], port: int | None,
+               startup_seconds: int, resources: Resources, ready_service: str | None = None,
+               health_port: int | None = None) -> dict[str, Any]:
+    """One service container; `port` None for a service on loopback only, `health_port` its
+    plaintext health port, which the probes then check."""
+    ports = [{"name": "grpc", "containerPort": port, "protocol": "TCP"}] if port is not None else []
+    if health_port is not None:
+        ports.append({"name": "health", "containerPort": health_port, "protocol": "TCP"})
     container: dict[str, Any] = {
         "name": name,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "args": args,
-        "ports": [{"name": "grpc", "containerPort": port, "protocol": "TCP"}],
+        "ports": ports,
         "envFrom": [{"configMapRef": {"name": owner.config_map}}],
         "env": [
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -199,7 +241,7 @@ def _container(owner: Owner, name: str, spec: PrefixCacheSpec, args: list[str], 
             {"name": "OTEL_RESOURCE_ATTRIBUTES",
              "value": "k8s.pod.name=$(POD_NAME),k8s.namespace.name=$(POD_NAMESPACE)"},
         ],
-        **_grpc_probes(port, startup_seconds, ready_service),
+        **_grpc_probes(health_port or port, startup_seconds, ready_service),
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
     }
@@ -263,9 +305,13 @@ def _scheduler_args(owner: Owner, spec: PrefixCacheSpec) -> list[str]:
             "--worker", f"127.0.0.1:{WORKER_PORT}",
             "--block-size", str(spec.block_size), "--hash-algo", spec.hash_algorithm,
             "--max-num-seqs", str(spec.max_num_seqs), "--metrics-port", str(METRICS_PORT),
-            "--grace", str(scheduler_grace_seconds(spec))]
+            "--grace", str(scheduler_grace_seconds(spec)), "--health-port", str(SCHEDULER_HEALTH_PORT)]
     if not spec.enable_prefix_caching:
         args.append("--no-prefix-caching")
+    if spec.tenants is not None:
+        args += ["--tenants", f"{TENANTS_DIR}/{TENANTS_FILE}"]
+    if spec.tls is not None:
+        args += ["--tls-cert", f"{ENGINE_TLS_DIR}/tls.crt", "--tls-key", f"{ENGINE_TLS_DIR}/tls.key"]
     return args
 
 
@@ -275,7 +321,8 @@ def scheduler_grace_seconds(spec: PrefixCacheSpec) -> int:
 
 
 def _worker_args(spec: PrefixCacheSpec) -> list[str]:
-    args = ["worker", "--port", str(WORKER_PORT), "--grace", str(WORKER_GRACE_SECONDS), "--model-dir", _model_dir(spec),
+    args = ["worker", "--host", "127.0.0.1", "--port", str(WORKER_PORT), "--health-port", str(WORKER_HEALTH_PORT),
+            "--grace", str(WORKER_GRACE_SECONDS), "--model-dir", _model_dir(spec),
             "--kv-cache-memory", str(spec.kv_cache_memory_bytes)]
     if spec.worker.gpus > 0:
         args += ["--device", "cuda"]
@@ -294,22 +341,38 @@ def _worker_resources(spec: PrefixCacheSpec) -> Resources:
                      limits={**resources.limits, spec.worker.gpu_resource: str(spec.worker.gpus)})
 
 
+def _scheduler_secrets(spec: PrefixCacheSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(pod volumes, scheduler mounts) for the tenants file and the Engine API's certificate."""
+    volumes, mounts = [], []
+    if spec.tenants is not None:
+        volumes.append({"name": "tenants", "secret": {"secretName": spec.tenants.secret_name, "items": [
+            {"key": spec.tenants.key, "path": TENANTS_FILE}]}})
+        mounts.append({"name": "tenants", "mountPath": TENANTS_DIR, "readOnly": True})
+    if spec.tls is not None:
+        volumes.append({"name": "engine-tls", "secret": {"secretName": spec.tls.secret_name}})
+        mounts.append({"name": "engine-tls", "mountPath": ENGINE_TLS_DIR, "readOnly": True})
+    return volumes, mounts
+
+
 def _engine_deployment(owner: Owner, spec: PrefixCacheSpec, config_hash: str) -> dict[str, Any]:
     # Ready while the Engine can serve: the scheduler's Engine health drops while a lost worker is replaced.
     scheduler = _container(owner, "scheduler", spec, _scheduler_args(owner, spec), ENGINE_PORT,
-                           startup_seconds=300, resources=spec.scheduler_resources, ready_service=ENGINE_SERVICE)
+                           startup_seconds=300, resources=spec.scheduler_resources, ready_service=ENGINE_SERVICE,
+                           health_port=SCHEDULER_HEALTH_PORT)
     volumes, mounts = _model_volumes(spec)
     # The worker loads weights and may compile kernels before it reports SERVING: allow ten minutes.
-    worker = _container(owner, "worker", spec, _worker_args(spec), WORKER_PORT, startup_seconds=600,
-                        resources=_worker_resources(spec))
+    worker = _container(owner, "worker", spec, _worker_args(spec), None, startup_seconds=600,
+                        resources=_worker_resources(spec), health_port=WORKER_HEALTH_PORT)
     worker["volumeMounts"] += mounts
     if spec.tenant_salts is not None:
         scheduler["env"].append({"name": TENANT_SALT_KEY_ENV, "valueFrom": {"secretKeyRef": {
             "name": spec.tenant_salts.secret_name, "key": spec.tenant_salts.key}}})
+    secret_volumes, secret_mounts = _scheduler_secrets(spec)
+    scheduler["volumeMounts"] += secret_mounts
     worker["restartPolicy"] = "Always"  # a native sidecar: up before the scheduler, down after it
     scheduler["ports"].append({"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"})
-    pod = _pod_spec([scheduler], volumes, spec.termination_grace_period_seconds, spec.worker.placement,
-                    spec.image_pull_secrets)
+    pod = _pod_spec([scheduler], [*volumes, *secret_volumes], spec.termination_grace_period_seconds,
+                    spec.worker.placement, spec.image_pull_secrets)
     pod["initContainers"] = [worker]
     # GPUs are scarce: replace pods one at a time instead of surging onto GPUs that may not exist
     # (LeaderWorkerSet and Dynamo's Grove path default to the same).

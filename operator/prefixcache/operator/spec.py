@@ -51,6 +51,14 @@ class TenantSaltsRef:
 
 
 @dataclass(frozen=True, slots=True)
+class SecretRef:
+    """A Secret (and the entry in it) mounted into the scheduler; the operator never reads its data."""
+
+    secret_name: str
+    key: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Placement:
     """Which nodes a component's pods may run on."""
 
@@ -91,6 +99,8 @@ class PrefixCacheSpec:
     tokenizer: TokenizerSpec
     termination_grace_period_seconds: int
     tenant_salts: TenantSaltsRef | None = None
+    tenants: SecretRef | None = None  # the tenants file
+    tls: SecretRef | None = None  # the Engine API's kubernetes.io/tls certificate
     otel_endpoint: str | None = None
     image_pull_secrets: tuple[str, ...] = ()
 
@@ -154,6 +164,8 @@ def parse_spec(raw_spec: Mapping[str, Any] | None) -> PrefixCacheSpec:
         termination_grace_period_seconds=spec["terminationGracePeriodSeconds"],
         tenant_salts=TenantSaltsRef(spec["tenantSalts"]["secretName"], spec["tenantSalts"]["key"])
         if "tenantSalts" in spec else None,
+        tenants=SecretRef(spec["tenants"]["secretName"], spec["tenants"]["key"]) if "tenants" in spec else None,
+        tls=SecretRef(spec["tls"]["secretName"]) if "tls" in spec else None,
         otel_endpoint=(spec.get("otel") or {}).get("endpoint"),
         image_pull_secrets=tuple(spec.get("imagePullSecrets") or ()),
     )
