@@ -96,7 +96,7 @@ def test_a_peer_name_reaches_the_servicer_from_a_verified_certificate_only(tmp_p
     seen: list[list[bytes] | None] = []
 
     class Recording(health_aio.HealthServicer):
-        async def Check(self, request, context):  # noqa: N802 - the gRPC method's name
+        async def Check(self, request, context):
             seen.append(context.peer_identities())
             return await super().Check(request, context)
 
