@@ -233,4 +233,4 @@ def test_the_readme_example_is_a_valid_manifest() -> None:
     assert manifest["kind"] == "PrefixCacheDeployment" and manifest["apiVersion"] == f"prefixcache.dev/{VERSION}"
     check_name(manifest["metadata"]["name"])
     parsed = parse_spec(manifest["spec"])
-    assert parsed.replicas == 2 and parsed.tenant_salts.secret_name == "chat-tenant-salt"
+    assert parsed.replicas == 2 and (parsed.tenants.secret_name, parsed.tls.secret_name) == ("chat-tenants", "chat-engine-tls")
