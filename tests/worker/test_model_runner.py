@@ -250,7 +250,12 @@ def test_loading_reports_progress_a_line_per_quarter(tmp_path: Path) -> None:
     assert percents == sorted(percents) and percents[-1] == 100 and len(lines) >= 4
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.skipif(torch.version.cuda is not None, reason="checks the CPU build of torch")
 def test_asking_for_cuda_without_it_names_the_device_not_a_kernel(tiny_dir: Path) -> None:
-    with pytest.raises(ValueError, match="no CUDA device .* use --device cpu"):
+    with pytest.raises(ValueError, match="--device cuda: torch .* is a CPU build.* or use --device cpu"):
         ModelRunner(tiny_dir, device="cuda")
+
+
+def test_dtype_auto_is_float32_on_the_cpu(tiny_dir: Path) -> None:
+    runner = ModelRunner(tiny_dir, dtype="auto")
+    assert (runner.dtype, runner.describe().dtype) == (torch.float32, "float32")
