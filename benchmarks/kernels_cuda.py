@@ -126,7 +126,9 @@ def main() -> int:
         timings = [time_case(case, dtype) for dtype in dtypes for case in [*CASES, *LONG_DECODES]]
         print_table(["case", "dtype", "triton write", "triton attend", "unsplit", "torch paged", "dense SDPA",
                      "attend/SDPA"], timings)
-    return 0 if all(row[-1] == "ok" for row in checks) else 2
+    passed = sum(row[-1] == "ok" for row in checks)
+    print(f"\n{passed} of {len(checks)} checks ok ({', '.join(dtype_name(dtype) for dtype in dtypes)})")
+    return 0 if passed == len(checks) else 2
 
 
 if __name__ == "__main__":

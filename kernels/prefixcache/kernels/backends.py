@@ -183,7 +183,7 @@ def _check_triton_usable(device: torch.device, dtype: torch.dtype) -> None:
             "TRITON_INTERPRET=1 is set, but triton was imported before it was: its kernels are compiled for "
             "a GPU and cannot run on CPU"
         )
-    if dtype == torch.bfloat16:  # triton 3.9's interpreter: a 16x16 bf16 tl.dot is off by 1e10
+    if dtype == torch.bfloat16:  # the interpreter of Triton 3.7 and 3.9: a 16x16 bf16 tl.dot is off by 1e10
         raise ValueError("Triton's interpreter computes bfloat16 dot products wrongly; use float32 with it, "
                          "or the 'torch' backend on CPU")
 
