@@ -9,7 +9,6 @@ import pytest
 
 from prefixcache.launcher import free_port
 from prefixcache.worker.cuda_check import CudaSetup, cuda_problem
-from prefixcache.worker.loader import auto_dtype
 
 H100 = (9, 0)
 ARCHS = ("sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120", "compute_120")  # a CUDA 13 build's list
@@ -63,15 +62,6 @@ def test_a_gpu_architecture_outside_the_build_is_named(capability, runs):
     assert (problem is None) == runs
     if not runs:
         assert "this GPU (compute capability 7.0) is not among those torch 2.13.0 (CUDA 13.0) is built for" in problem
-
-
-@pytest.mark.parametrize(("device_type", "capability", "dtype"), [
-    ("cpu", None, "float32"),  # greedy tokens equal transformers'
-    ("cuda", (9, 0), "bfloat16"), ("cuda", (8, 0), "bfloat16"),
-    ("cuda", (7, 5), "float32"),  # no bfloat16 tensor cores
-])
-def test_auto_dtype(device_type, capability, dtype):
-    assert auto_dtype(device_type, capability) == dtype
 
 
 def test_a_worker_asked_for_a_cuda_device_it_cannot_use_exits_with_one_line():

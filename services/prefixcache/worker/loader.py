@@ -46,17 +46,18 @@ class Checkpoint:
 
 def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
-        raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {name!r}")
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
     return DTYPES[name]
 
 
 def resolve_dtype(name: str, device: torch.device) -> str:
     """`name`, or for "auto" the dtype `device` serves best (`auto_dtype`)."""
-    if name != "auto":
-        parse_dtype(name)
-        return name
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    return auto_dtype(device.type, capability)
+    if name == "auto":
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        return auto_dtype(device.type, capability)
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {name!r}")
+    return name
 
 
 def auto_dtype(device_type: str, compute_capability: tuple[int, int] | None) -> str:
