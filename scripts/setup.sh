@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
-VENV=.venv
+VENV=${VENV:-.venv}  # scripts/gpu_check.sh sets up its own beside it
 STAMP=$VENV/.prefixcache-installed
 fingerprint=$(cat pyproject.toml setup.py protos/prefixcache/protos/*/v1/*.proto 2>/dev/null | sha256sum | cut -d' ' -f1)
 
@@ -16,7 +16,8 @@ fi
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$fingerprint" ]; then
   echo "==> installing dependencies (first time: a few minutes)"
   "$VENV/bin/pip" install -q --upgrade pip
-  # torch first and pinned: this exact version is the CPU build on disk; anything looser pulls CUDA wheels.
+  # torch first and pinned: here this exact version is the CPU build on disk; anything looser pulls CUDA
+  # wheels. On a machine without it, this is PyPI's CUDA 13 build (what scripts/gpu_check.sh wants).
   "$VENV/bin/pip" install -q torch==2.13.0
   "$VENV/bin/pip" install -q -e ".[test]"
   echo "$fingerprint" > "$STAMP"

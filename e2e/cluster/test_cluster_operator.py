@@ -2,9 +2,9 @@
 children with ownerReferences, garbage collection on delete, and with an image, pods that become Ready.
 
 Runs only where KUBECONFIG points at a cluster the test may change (it installs the CRD and uses a fresh
-namespace). Set PREFIXCACHE_E2E_IMAGE to an image the cluster can pull to also wait for Ready pods
-(CPU is enough: the spec asks for no GPU). It must be the full build of the Dockerfile (the default
-EXTRAS: the worker and the embedded model); on kind, `kind load docker-image <tag>` first.
+namespace). Set PREFIXCACHE_E2E_IMAGE and PREFIXCACHE_E2E_WORKER_IMAGE to builds of
+Dockerfile.control-plane and Dockerfile the cluster can pull to also wait for Ready pods (CPU is enough:
+the spec asks for no GPU, and the worker image runs on CPU); on kind, `kind load docker-image <tag>` first.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from kubernetes import client, config  # noqa: E402
 from prefixcache.operator.schema import GROUP, KIND, PLURAL, VERSION, load_crd  # noqa: E402
 
 IMAGE = os.environ.get("PREFIXCACHE_E2E_IMAGE")
+WORKER_IMAGE = os.environ.get("PREFIXCACHE_E2E_WORKER_IMAGE")
 
 
 def wait_for(predicate: Callable[[], Any], what: str, timeout: float) -> Any:
@@ -128,10 +129,12 @@ def test_operator_creates_the_stack_and_deletion_collects_it(api: client.ApiClie
                           if d.metadata.name.startswith("stack-")], "garbage collection of the children", 120)
 
 
-@pytest.mark.skipif(not IMAGE, reason="set PREFIXCACHE_E2E_IMAGE to an image the cluster can pull")
+@pytest.mark.skipif(not (IMAGE and WORKER_IMAGE), reason="set PREFIXCACHE_E2E_IMAGE and "
+                    "PREFIXCACHE_E2E_WORKER_IMAGE to images the cluster can pull")
 @pytest.mark.timeout(1500)  # an image pull, then the worker's 600 s startup and the scheduler's 300 s
 def test_pods_become_ready_on_grpc_health(api: client.ApiClient, namespace: str, operator: Any) -> None:
-    create(api, namespace, "serving", {"image": IMAGE, "worker": {"gpus": 0}, "kvCacheMemory": "256Mi"})
+    create(api, namespace, "serving", {"image": IMAGE, "worker": {"image": WORKER_IMAGE, "gpus": 0},
+                                       "kvCacheMemory": "256Mi"})
 
     def ready() -> bool:
         status = custom(api).get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "serving").get("status")

@@ -98,7 +98,7 @@ class PlatformConfig:
     log_dir: Path
     engine_port: int = 50051
     engine_host: str = "localhost"
-    dtype: str = "float32"
+    dtype: str = "auto"  # the worker's: bfloat16 on a GPU that has it, else float32
     kv_cache_memory: str = "1GiB"
     scheduler_args: list[str] = field(default_factory=list)  # extra flags, e.g. ["--no-prefix-caching"]
     worker_args: list[str] = field(default_factory=list)

@@ -18,7 +18,8 @@ instance `from transformers import LlamaForCausalLM` imports it), it cannot be i
 the Triton tests then fail with that explanation; run them in their own process
 (`pytest tests/kernels`) or export TRITON_INTERPRET=1 for the whole run.
 On a machine with CUDA (and no TRITON_INTERPRET of its own) the kernels stay compiled and the same
-small tests run on the GPU.
+small tests run on the GPU: tests of Triton kernels take `triton_device` (CUDA there, else the CPU),
+every other kernel test takes `device` and runs once per device (`tests/conftest.py`).
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ def triton_kernels() -> None:
 
 
 @pytest.fixture
-def device() -> torch.device:
-    """Where the small kernel tests run: the GPU when the kernels are compiled, else the CPU."""
+def triton_device() -> torch.device:
+    """Where the Triton kernels run in this process: the GPU when they are compiled, else the CPU."""
     return torch.device("cpu" if INTERPRETED else "cuda")
 
 
@@ -100,9 +101,11 @@ class PagedBatch:
         return meta
 
     def reference_attention(self) -> torch.Tensor:
-        """The plain-torch reference's attention output for this step, on the CPU (call after `write_new_kv`)."""
-        return paged_attention_reference(self.query.cpu(), self.key_cache.cpu(), self.value_cache.cpu(),
-                                         self.query_lens, self.seq_lens, self.block_tables, self.scale)
+        """The plain-torch reference's attention output for this step (call after `write_new_kv`), computed
+        on the CPU in float32 and returned on the batch's device, to compare like with like."""
+        expected = paged_attention_reference(self.query.cpu(), self.key_cache.cpu(), self.value_cache.cpu(),
+                                             self.query_lens, self.seq_lens, self.block_tables, self.scale)
+        return expected.to(self.query.device)
 
 
 def make_paged_batch(
@@ -149,11 +152,9 @@ def make_paged_batch(
 
 
 @pytest.fixture
-def paged_batch(device: torch.device) -> Callable[..., PagedBatch]:
-    def make(sequences: list[tuple[int, int]], **kwargs) -> PagedBatch:
-        return make_paged_batch(sequences, device=device, **kwargs)
-
-    return make
+def paged_batch() -> Callable[..., PagedBatch]:
+    """`make_paged_batch`, for tests (a fixture, so they need not import this conftest); they name the device."""
+    return make_paged_batch
 
 
 def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -14,8 +14,8 @@ def test_auto_picks_torch_on_cpu(name):
 
 
 @pytest.mark.parametrize("name", ["torch", "reference"])
-def test_named_backends_are_honoured_on_cpu(name):
-    assert get_attention_backend(name, torch.device("cpu")).name == name
+def test_named_backends_are_honoured_on_every_device(name, device):
+    assert get_attention_backend(name, device).name == name
 
 
 def test_unknown_backend_is_a_clear_error():
@@ -29,17 +29,17 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
         get_attention_backend("triton", "cpu")
 
 
-def test_triton_backend_where_triton_runs(triton_kernels, device):
-    assert get_attention_backend("triton", device).name == "triton"
+def test_triton_backend_where_triton_runs(triton_kernels, triton_device):
+    assert get_attention_backend("triton", triton_device).name == "triton"
 
 
-def test_interpreted_triton_refuses_bfloat16(triton_kernels, device):
+def test_interpreted_triton_refuses_bfloat16(triton_kernels, triton_device):
     """Triton's interpreter gets bfloat16 dot products wrong by orders of magnitude: say so instead."""
-    if device.type == "cuda":
+    if triton_device.type == "cuda":
         pytest.skip("compiled kernels run bfloat16 correctly")
-    assert get_attention_backend("triton", device, dtype=torch.float32).name == "triton"
+    assert get_attention_backend("triton", triton_device, dtype=torch.float32).name == "triton"
     with pytest.raises(ValueError, match="interpreter computes bfloat16 dot products wrongly"):
-        get_attention_backend("triton", device, dtype=torch.bfloat16)
+        get_attention_backend("triton", triton_device, dtype=torch.bfloat16)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised when no CUDA device exists")
@@ -49,15 +49,15 @@ def test_cuda_without_a_gpu_is_a_clear_error():
 
 
 @pytest.mark.parametrize("queries_per_kv", [1, 3])
-def test_triton_and_torch_backends_agree(triton_kernels, paged_batch, relative_error, device, queries_per_kv):
+def test_triton_and_torch_backends_agree(triton_kernels, paged_batch, relative_error, triton_device, queries_per_kv):
     """The full per-layer call sequence of each backend: write this step's K/V, then attend."""
-    batch = paged_batch(
-        [(0, 6), (10, 3), (4, 1), (13, 1)], block_size=4, num_kv_heads=2, queries_per_kv=queries_per_kv, head_dim=16
-    )
-    meta = AttentionMetadata.build(batch.query_lens, batch.seq_lens, batch.block_tables, batch.block_size, device)
+    batch = paged_batch([(0, 6), (10, 3), (4, 1), (13, 1)], block_size=4, num_kv_heads=2,
+                        queries_per_kv=queries_per_kv, head_dim=16, device=triton_device)
+    meta = AttentionMetadata.build(batch.query_lens, batch.seq_lens, batch.block_tables, batch.block_size,
+                                   triton_device)
     results = {}
     for name in ("triton", "torch"):
-        backend = get_attention_backend(name, device)
+        backend = get_attention_backend(name, triton_device)
         key_cache, value_cache = batch.key_cache.clone(), batch.value_cache.clone()
         backend.write_kv(batch.key, batch.value, key_cache, value_cache, meta)
         output = backend.attend(batch.query, batch.key, batch.value, key_cache, value_cache, meta, batch.scale)
@@ -79,9 +79,11 @@ def test_blocks_outside_the_tables_are_never_read(request, paged_batch, device, 
     """
     if backend_name == "triton":
         request.getfixturevalue("triton_kernels")
+        if device != request.getfixturevalue("triton_device"):
+            pytest.skip(f"Triton runs on {request.getfixturevalue('triton_device')} in this process")
     # Two decode groups with padding, partial last blocks, a chunk on context, a fresh prefill.
     sequences = [(0, 5), (6, 3), (2, 1), (9, 1), (7, 1), (21, 1), (19, 1)]
-    batch = paged_batch(sequences, block_size=4, num_kv_heads=1, queries_per_kv=3, head_dim=16)
+    batch = paged_batch(sequences, block_size=4, num_kv_heads=1, queries_per_kv=3, head_dim=16, device=device)
     meta = batch.write_new_kv()
     owned = torch.zeros(batch.key_cache.shape[:2], dtype=torch.bool)
     for seq_len, table in zip(batch.seq_lens, batch.block_tables):
@@ -95,4 +97,4 @@ def test_blocks_outside_the_tables_are_never_read(request, paged_batch, device, 
         batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, meta, batch.scale
     )
     assert torch.isfinite(output).all()
-    torch.testing.assert_close(output.cpu(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-5)

@@ -8,13 +8,14 @@ import torch
 from prefixcache.kernels import AttentionMetadata
 
 
-def test_build_maps_new_tokens_to_their_slots_and_packs_the_batch():
+def test_build_maps_new_tokens_to_their_slots_and_packs_the_batch(device):
     # Sequence 0: 5 cached tokens + 3 new at positions 5..7, all in its second block (id 2) -> slots 9, 10, 11.
     # Sequence 1: a fresh 2-token prompt in block 3 -> slots 12, 13. Sequence 2: a decode at position 4,
     # the first slot of its second block (id 0) -> slot 0.
     meta = AttentionMetadata.build(
-        query_lens=[3, 2, 1], seq_lens=[8, 2, 5], block_tables=[[7, 2], [3], [5, 0]], block_size=4, device="cpu"
+        query_lens=[3, 2, 1], seq_lens=[8, 2, 5], block_tables=[[7, 2], [3], [5, 0]], block_size=4, device=device
     )
+    assert {meta.slot_mapping.device, meta.query_start_loc.device, meta.block_tables.device} == {device}
     assert meta.slot_mapping.tolist() == [9, 10, 11, 12, 13, 0]
     assert meta.slot_mapping.dtype == torch.int64
     assert meta.query_start_loc.tolist() == [0, 3, 5, 6]

@@ -8,15 +8,15 @@ import torch
 from prefixcache.kernels import allocate_kv_cache, kv_cache_bytes_per_block, kv_cache_shape, num_blocks_for_budget
 
 
-def test_kv_cache_shape_and_allocation():
+def test_kv_cache_shape_and_allocation(device):
     assert kv_cache_shape(10, 16, 3, 64) == (10, 16, 3, 64)
     with pytest.raises(ValueError, match="num_kv_heads"):
         kv_cache_shape(10, 16, 0, 64)
-    layers = allocate_kv_cache(2, 10, 16, 3, 64, torch.bfloat16, "cpu")
+    layers = allocate_kv_cache(2, 10, 16, 3, 64, torch.bfloat16, device)
     assert len(layers) == 2
     for key_cache, value_cache in layers:
         assert key_cache.shape == value_cache.shape == (10, 16, 3, 64)
-        assert key_cache.dtype == torch.bfloat16
+        assert key_cache.dtype == torch.bfloat16 and key_cache.device == device
         assert key_cache.data_ptr() != value_cache.data_ptr()
         assert not key_cache.any()  # zeros: no slot can hold NaN
 

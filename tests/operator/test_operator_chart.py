@@ -23,7 +23,7 @@ SPEC = {  # a PrefixCacheDeployment spec, and below the same settings as chart v
     "model": {"source": "PersistentVolumeClaim", "claimName": "models", "path": "hf/smol"},
     "tenantSalts": {"secretName": "tenant-salts", "key": "hmac"},
     "tenants": {"secretName": "chat-tenants", "key": "tenants-v2.json"}, "tls": {"secretName": "chat-engine-tls"},
-    "worker": {"gpus": 1, "dtype": "bfloat16", "resources": {"requests": {"memory": "8Gi"}},
+    "worker": {"image": "registry.example/prefixcache-worker:1.2.3", "gpus": 1, "dtype": "bfloat16", "resources": {"requests": {"memory": "8Gi"}},
                "nodeSelector": {"cloud.google.com/gke-accelerator": "nvidia-l4"},
                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
     "tokenizer": {"replicas": 2, "resources": {"limits": {"cpu": "1"}}, "nodeSelector": {"pool": "cpu"},
@@ -119,11 +119,11 @@ def test_a_release_name_that_cannot_name_a_service_is_refused(chart: Any, releas
 
 def test_values_yaml_would_read_as_numbers_booleans_or_null_stay_strings(chart: Any) -> None:
     values = {"image": "true", "imagePullPolicy": "Always", "model": {"source": "PersistentVolumeClaim", "claimName": "123"},
-              "operator": {"enabled": True, "image": "null"}}
+              "worker": {"image": "1.5"}, "operator": {"enabled": True, "image": "null"}}
     objects = rendered(chart, values)
     pods = [o["spec"]["template"]["spec"] for o in objects if o["kind"] == "Deployment"]
     images = {c["name"]: c["image"] for pod in pods for c in pod.get("initContainers", []) + pod["containers"]}
-    assert set(images.values()) == {"true", "null"}
+    assert set(images.values()) == {"true", "1.5", "null"}
     claims = [v["persistentVolumeClaim"]["claimName"] for pod in pods for v in pod.get("volumes", [])
               if "persistentVolumeClaim" in v]
     assert claims and set(claims) == {"123"}
@@ -172,6 +172,30 @@ def test_chart_and_operator_render_the_same_stack(chart: Any, spec: dict[str, An
     assert from_chart.keys() == from_operator.keys()
     for key, expected in from_operator.items():
         assert from_chart[key] == expected, key
+
+
+def test_each_container_runs_the_image_built_for_it(chart: Any) -> None:
+    """The worker the worker image (CUDA torch); the tokenizer, the scheduler and the operator the
+    control-plane image (no torch). The defaults name the two images the Dockerfiles build."""
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert (defaults["image"], defaults["operator"]["image"]) == ("prefixcache/control-plane:0.1.0",) * 2
+    assert defaults["worker"]["image"] == "prefixcache/worker:0.1.0"
+    values = {"image": "cp:1", "worker": {"image": "worker:1"}, "operator": {"enabled": True, "image": "cp:1"}}
+    pods = [o["spec"]["template"]["spec"] for o in rendered(chart, values) if o["kind"] == "Deployment"]
+    images = {c["name"]: c["image"] for pod in pods for c in pod.get("initContainers", []) + pod["containers"]}
+    assert images == {"worker": "worker:1", "scheduler": "cp:1", "tokenizer": "cp:1", "operator": "cp:1"}
+    spec = parse_spec({"image": "cp:1", "worker": {"image": "worker:1"}})
+    operator_pods = [o["spec"]["template"]["spec"] for o in render(Owner("chat", "serving", "uid"), spec)
+                     if o["kind"] == "Deployment"]
+    assert images == {c["name"]: c["image"] for pod in operator_pods
+                      for c in pod.get("initContainers", []) + pod["containers"]} | {"operator": "cp:1"}
+
+
+def test_gpu_workers_are_told_the_driver_they_need(chart: Any) -> None:
+    notes = chart.render({}, name="chat", namespace="serving")["prefixcache/templates/NOTES.txt"]
+    assert "NVIDIA driver 580 or newer" in notes and "-c worker" in notes
+    cpu_notes = chart.render({"worker": {"gpus": 0}}, name="chat", namespace="serving")
+    assert "NVIDIA driver" not in cpu_notes["prefixcache/templates/NOTES.txt"]
 
 
 def test_operator_is_opt_in_and_reads_no_secrets(chart: Any) -> None:

@@ -25,7 +25,7 @@ FULL_SPEC = {
     "tenantSalts": {"secretName": "tenant-salts", "key": "hmac"},
     "tenants": {"secretName": "chat-tenants", "key": "tenants-v2.json"},
     "tls": {"secretName": "chat-engine-tls"},
-    "worker": {"gpus": 1, "dtype": "bfloat16", "attentionBackend": "triton",
+    "worker": {"image": "registry.example/prefixcache-worker:1.2.3-cu128", "gpus": 1, "dtype": "bfloat16", "attentionBackend": "triton",
                "resources": {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "32Gi"}},
                "nodeSelector": {"cloud.google.com/gke-accelerator": "nvidia-l4"},
                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
@@ -110,10 +110,12 @@ def test_spec_becomes_exact_command_lines() -> None:
                                  "--model-dir", "/models/hf/SmolLM2-135M-Instruct"]
     assert objects["Deployment", "chat-engine"]["spec"]["replicas"] == 3
     assert objects["Deployment", "chat-tokenizer"]["spec"]["replicas"] == 2
-    assert {c["image"] for c in [*engine.values(), tokenizer]} == {"registry.example/prefixcache:1.2.3"}
+    assert engine["worker"]["image"] == "registry.example/prefixcache-worker:1.2.3-cu128"
+    assert {engine["scheduler"]["image"], tokenizer["image"]} == {"registry.example/prefixcache:1.2.3"}
 
 
 def test_defaults_use_the_embedded_model_and_leave_worker_choices_to_the_worker() -> None:
+    """No --dtype: the worker's auto picks bfloat16 on the GPU (and float32 on CPU)."""
     objects = by_name(render(OWNER, parse_spec({})))
     engine = containers(objects["Deployment", "chat-engine"])
     assert engine["worker"]["args"] == ["worker", "--host", "127.0.0.1", "--port", "50052", "--health-port", "50054",

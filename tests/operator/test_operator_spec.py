@@ -66,12 +66,12 @@ def test_crd_has_status_subresource_and_printer_columns() -> None:
 def test_empty_spec_gets_every_default() -> None:
     defaulted = apply_defaults(spec_schema(), {})
     assert defaulted == {
-        "image": "prefixcache/prefixcache:0.1.0", "imagePullPolicy": "IfNotPresent", "replicas": 1,
+        "image": "prefixcache/control-plane:0.1.0", "imagePullPolicy": "IfNotPresent", "replicas": 1,
         "model": {"source": "Embedded", "path": "", "id": "SmolLM2-135M-Instruct"},
         "blockSize": 16, "hashAlgorithm": "sha256", "enablePrefixCaching": True, "maxNumSeqs": 256,
         "kvCacheMemory": "2Gi",
-        "worker": {"gpus": 1, "gpuResource": "nvidia.com/gpu", "dtype": "auto", "attentionBackend": "auto",
-                   "resources": {}},
+        "worker": {"image": "prefixcache/worker:0.1.0", "gpus": 1, "gpuResource": "nvidia.com/gpu", "dtype": "auto",
+                   "attentionBackend": "auto", "resources": {}},
         "scheduler": {"resources": {}}, "tokenizer": {"replicas": 1, "resources": {}},
         "terminationGracePeriodSeconds": 60,
     }

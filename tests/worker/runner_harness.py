@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from prefixcache.kernels import AttentionMetadata
 from prefixcache.step.messages import (
     CachedRequestData,
     NewRequestData,
@@ -99,6 +100,70 @@ class HandScheduler:
             block = self.free_blocks.pop()
             request.block_ids.append(block)
             request.new_block_ids.append(block)
+
+
+def runner_logits(runner: ModelRunner, token_ids: list[int], block_size: int = 8) -> torch.Tensor:
+    """Logits of every position, from one prefill over a shuffled block table, on the runner's device."""
+    num_blocks = -(-len(token_ids) // block_size)
+    runner.initialize_kv_cache(num_blocks + 3, block_size)
+    table = torch.randperm(num_blocks + 3, generator=torch.Generator().manual_seed(7))[:num_blocks].tolist()
+    metadata = AttentionMetadata.build([len(token_ids)], [len(token_ids)], [table], block_size, runner.device)
+    ids = torch.tensor(token_ids, device=runner.device)
+    with torch.inference_mode():
+        hidden = runner.model(ids, torch.arange(len(token_ids), device=runner.device), runner.kv_caches, metadata,
+                              runner.backend)
+        return runner.model.compute_logits(hidden)
+
+
+def cold_greedy(runner: ModelRunner, prompts: list[list[int]], block_size: int, num_tokens: int) -> list[list[int]]:
+    """Greedy continuations of the prompts, prefilled whole and batched together."""
+    scheduler = HandScheduler(runner, num_blocks=64, block_size=block_size)
+    requests = [scheduler.add(f"cold-{i}", prompt, num_tokens) for i, prompt in enumerate(prompts)]
+    scheduler.run()
+    return [request.generated for request in requests]
+
+
+def cached_prefix_greedy(runner: ModelRunner, prompts: list[list[int]], block_size: int,
+                         num_tokens: int) -> list[list[int]]:
+    """Greedy continuations of the prompts, each starting on cached blocks of its prefix.
+
+    Earlier requests compute each prompt's block-aligned prefix and finish; the next requests start on
+    those very blocks with num_computed_tokens set, so only the suffix is prefilled. Each prefix is
+    reused by two concurrent requests, which read the shared blocks while writing their own."""
+    scheduler = HandScheduler(runner, num_blocks=96, block_size=block_size, seed=1)
+    prefixes = []
+    for i, prompt in enumerate(prompts):
+        prefix_blocks = (len(prompt) - 1) // block_size
+        prefixes.append(scheduler.add(f"prefix-{i}", prompt[: prefix_blocks * block_size], 1))
+    scheduler.run()
+    hits = []
+    for i, (prompt, prefix) in enumerate(zip(prompts, prefixes)):
+        assert len(prefix.block_ids) * block_size == len(prefix.token_ids)
+        hits.append([scheduler.add(f"hit-{i}-{copy}", prompt, num_tokens, cached_blocks=prefix.block_ids)
+                     for copy in range(2)])
+    scheduler.run()
+    for pair in hits:
+        assert pair[0].generated == pair[1].generated
+    return [pair[0].generated for pair in hits]
+
+
+def chunked_greedy(runner: ModelRunner, prompts: list[list[int]], block_size: int, num_tokens: int) -> list[list[int]]:
+    """Greedy continuations with chunked prefill; the prompts start one step apart so chunks share
+    batches with decodes."""
+    scheduler = HandScheduler(runner, num_blocks=64, block_size=block_size, seed=2)
+    requests = []
+    for i, prompt in enumerate(prompts):
+        requests.append(scheduler.add(f"chunked-{i}", prompt, num_tokens))
+        scheduler.step(chunk_size=7)
+    scheduler.run(chunk_size=7)
+    return [request.generated for request in requests]
+
+
+def greedy_runs(runner: ModelRunner, prompts: list[list[int]], block_size: int,
+                num_tokens: int) -> dict[str, list[list[int]]]:
+    """Greedy continuations of every prompt under the three ways a prompt can reach the model."""
+    return {way: run(runner, prompts, block_size, num_tokens) for way, run in
+            (("cold", cold_greedy), ("cached prefix", cached_prefix_greedy), ("chunked prefill", chunked_greedy))}
 
 
 def save_tiny_checkpoint(kind: str, out_dir: Path, *, max_shard_size: str | None = None) -> Path:

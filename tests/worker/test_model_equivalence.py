@@ -13,13 +13,14 @@ import pytest
 import torch
 from runner_harness import (
     HandScheduler,
+    greedy_runs,
     load_reference,
     reference_greedy,
     reference_logits,
+    runner_logits,
     save_tiny_checkpoint,
 )
 
-from prefixcache.kernels import AttentionMetadata
 from prefixcache.kernels.cpu import attention as cpu_attention
 from prefixcache.kernels.cpu import attention_plan as cpu_attention_plan
 from prefixcache.kernels.cpu.native import DISABLE_ENV, native_cpu_kernels
@@ -30,60 +31,9 @@ NUM_GENERATED = 32
 KNOWN_FRANCE_ANSWER = [504, 3575, 282, 4649, 314, 7042, 30, 2]  # "The capital of France is Paris.<|im_end|>"
 
 
-def runner_logits(runner: ModelRunner, token_ids: list[int], block_size: int = 8) -> torch.Tensor:
-    """Logits of every position, from one prefill over a shuffled block table."""
-    num_blocks = -(-len(token_ids) // block_size)
-    runner.initialize_kv_cache(num_blocks + 3, block_size)
-    table = torch.randperm(num_blocks + 3, generator=torch.Generator().manual_seed(7))[:num_blocks].tolist()
-    metadata = AttentionMetadata.build([len(token_ids)], [len(token_ids)], [table], block_size, runner.device)
-    ids = torch.tensor(token_ids)
-    with torch.inference_mode():
-        hidden = runner.model(ids, torch.arange(len(token_ids)), runner.kv_caches, metadata, runner.backend)
-        return runner.model.compute_logits(hidden)
-
-
 def sample_prompts(vocab_size: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(11)
     return [torch.randint(3, vocab_size, (length,), generator=generator).tolist() for length in (37, 21, 50)]
-
-
-def greedy_runs(runner: ModelRunner, prompts: list[list[int]], block_size: int) -> dict[str, list[list[int]]]:
-    """Greedy continuations of every prompt under the three ways a prompt can reach the model."""
-    runs: dict[str, list[list[int]]] = {}
-
-    scheduler = HandScheduler(runner, num_blocks=64, block_size=block_size)
-    requests = [scheduler.add(f"cold-{i}", prompt, NUM_GENERATED) for i, prompt in enumerate(prompts)]
-    scheduler.run()
-    runs["cold"] = [request.generated for request in requests]
-
-    # Earlier requests compute each prompt's block-aligned prefix and finish; the next requests start
-    # on those very blocks with num_computed_tokens set, so only the suffix is prefilled. Each prefix
-    # is reused by two concurrent requests, which read the shared blocks while writing their own.
-    scheduler = HandScheduler(runner, num_blocks=96, block_size=block_size, seed=1)
-    prefixes = []
-    for i, prompt in enumerate(prompts):
-        prefix_blocks = (len(prompt) - 1) // block_size
-        prefixes.append(scheduler.add(f"prefix-{i}", prompt[: prefix_blocks * block_size], 1))
-    scheduler.run()
-    hits = []
-    for i, (prompt, prefix) in enumerate(zip(prompts, prefixes)):
-        assert len(prefix.block_ids) * block_size == len(prefix.token_ids)
-        hits.append([scheduler.add(f"hit-{i}-{copy}", prompt, NUM_GENERATED, cached_blocks=prefix.block_ids)
-                     for copy in range(2)])
-    scheduler.run()
-    for pair in hits:
-        assert pair[0].generated == pair[1].generated
-    runs["cached prefix"] = [pair[0].generated for pair in hits]
-
-    # Chunked prefill; the prompts start one step apart so chunks share batches with decodes.
-    scheduler = HandScheduler(runner, num_blocks=64, block_size=block_size, seed=2)
-    requests = []
-    for i, prompt in enumerate(prompts):
-        requests.append(scheduler.add(f"chunked-{i}", prompt, NUM_GENERATED))
-        scheduler.step(chunk_size=7)
-    scheduler.run(chunk_size=7)
-    runs["chunked prefill"] = [request.generated for request in requests]
-    return runs
 
 
 @pytest.fixture(scope="module", params=["llama", "llama3", "qwen2", "llama-d64"])
@@ -94,12 +44,12 @@ def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return model_dir, load_reference(model_dir)
 
 
-def test_tiny_checkpoint_logits_match_transformers(tiny_model) -> None:
+def test_tiny_checkpoint_logits_match_transformers(tiny_model, device) -> None:
     model_dir, reference = tiny_model
-    runner = ModelRunner(model_dir)
+    runner = ModelRunner(model_dir, dtype="float32", device=str(device))
     for prompt in sample_prompts(runner.config.vocab_size):
-        difference = (runner_logits(runner, prompt, block_size=4) - reference_logits(reference, prompt)).abs().max()
-        assert difference <= LOGITS_TOLERANCE
+        expected = reference_logits(reference, prompt).to(device)
+        assert (runner_logits(runner, prompt, block_size=4) - expected).abs().max() <= LOGITS_TOLERANCE
 
 
 @pytest.mark.parametrize("kind", ["mistral", "llama-linear"])
@@ -123,12 +73,12 @@ def test_a_head_the_checkpoint_carries_wins_over_a_config_that_ties_it(tmp_path:
         assert difference <= LOGITS_TOLERANCE
 
 
-def test_tiny_checkpoint_greedy_matches_transformers(tiny_model) -> None:
+def test_tiny_checkpoint_greedy_matches_transformers(tiny_model, device) -> None:
     model_dir, reference = tiny_model
-    runner = ModelRunner(model_dir)
+    runner = ModelRunner(model_dir, dtype="float32", device=str(device))
     prompts = sample_prompts(runner.config.vocab_size)
     expected = [reference_greedy(reference, prompt, NUM_GENERATED) for prompt in prompts]
-    for way, generated in greedy_runs(runner, prompts, block_size=4).items():
+    for way, generated in greedy_runs(runner, prompts, block_size=4, num_tokens=NUM_GENERATED).items():
         assert generated == expected, way
 
 
@@ -146,7 +96,7 @@ def test_torch_kernels_alone_keep_the_guarantee(tiny_model, monkeypatch) -> None
             difference = (runner_logits(runner, prompt, block_size=4) - reference_logits(reference, prompt))
             assert difference.abs().max() <= LOGITS_TOLERANCE
         expected = [reference_greedy(reference, prompt, NUM_GENERATED) for prompt in prompts]
-        for way, generated in greedy_runs(runner, prompts, block_size=4).items():
+        for way, generated in greedy_runs(runner, prompts, block_size=4, num_tokens=NUM_GENERATED).items():
             assert generated == expected, way
     finally:
         native_cpu_kernels.cache_clear()  # the next caller builds (loads) them again
@@ -166,7 +116,7 @@ def test_tiny_checkpoint_greedy_matches_transformers_through_cascade_attention(t
     runner = ModelRunner(model_dir, attention_backend="torch")
     prompts = sample_prompts(runner.config.vocab_size)
     expected = [reference_greedy(reference, prompt, NUM_GENERATED) for prompt in prompts]
-    assert greedy_runs(runner, prompts, block_size=4)["cached prefix"] == expected
+    assert greedy_runs(runner, prompts, block_size=4, num_tokens=NUM_GENERATED)["cached prefix"] == expected
     assert cascades and all(cascade.tails.blocks.shape[0] >= 2 for cascade in cascades)
 
 
@@ -190,5 +140,5 @@ def test_embedded_model_greedy_matches_transformers(smollm_runner, smollm_refere
         chat_prompt("List three prime numbers and explain why each one is prime."),
     ]
     expected = [reference_greedy(smollm_reference, prompt, NUM_GENERATED) for prompt in prompts]
-    for way, generated in greedy_runs(smollm_runner, prompts, block_size=16).items():
+    for way, generated in greedy_runs(smollm_runner, prompts, block_size=16, num_tokens=NUM_GENERATED).items():
         assert generated == expected, way

@@ -16,7 +16,7 @@ from prefixcache.step.messages import (
     SamplingParams,
     SchedulerStep,
 )
-from prefixcache.worker.loader import weight_files
+from prefixcache.worker.loader import auto_dtype, resolve_dtype, weight_files
 from prefixcache.worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 4
@@ -250,7 +250,27 @@ def test_loading_reports_progress_a_line_per_quarter(tmp_path: Path) -> None:
     assert percents == sorted(percents) and percents[-1] == 100 and len(lines) >= 4
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.skipif(torch.version.cuda is not None, reason="checks the CPU build of torch")
 def test_asking_for_cuda_without_it_names_the_device_not_a_kernel(tiny_dir: Path) -> None:
-    with pytest.raises(ValueError, match="no CUDA device .* use --device cpu"):
+    with pytest.raises(ValueError, match="--device cuda: torch .* is a CPU build.* or use --device cpu"):
         ModelRunner(tiny_dir, device="cuda")
+
+
+def test_dtype_auto_is_float32_on_the_cpu(tiny_dir: Path) -> None:
+    runner = ModelRunner(tiny_dir, dtype="auto")
+    assert (runner.dtype, runner.describe().dtype) == (torch.float32, "float32")
+
+
+@pytest.mark.parametrize(("device_type", "capability", "dtype"), [
+    ("cpu", None, "float32"),  # greedy tokens equal transformers'
+    ("cuda", (9, 0), "bfloat16"), ("cuda", (8, 0), "bfloat16"),
+    ("cuda", (7, 5), "float32"),  # no bfloat16 tensor cores
+])
+def test_auto_dtype(device_type, capability, dtype) -> None:
+    assert auto_dtype(device_type, capability) == dtype
+
+
+def test_a_named_dtype_is_kept_and_an_unknown_one_refused() -> None:
+    assert resolve_dtype("float16", torch.device("cpu")) == "float16"
+    with pytest.raises(ValueError, match="dtype must be auto or one of float32, bfloat16, float16, got 'fp8'"):
+        resolve_dtype("fp8", torch.device("cpu"))

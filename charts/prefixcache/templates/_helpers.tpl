@@ -43,13 +43,13 @@ OTEL_LOGS_EXPORTER: none
 {{ include "prefixcache.configData" . | fromYaml | toJson | sha256sum }}
 {{- end }}
 
-{{/* One service container. Arguments: root, name, args (list), port (none for a service on loopback
-     only), startupSeconds, resources (dict); optional healthPort (the plaintext health port the probes
-     then check), extraEnv, extraMounts, extraPorts (lists), restartPolicy (a native sidecar) and
+{{/* One service container. Arguments: root, name, image, args (list), port (none for a service on
+     loopback only), startupSeconds, resources (dict); optional healthPort (the plaintext health port the
+     probes then check), extraEnv, extraMounts, extraPorts (lists), restartPolicy (a native sidecar) and
      readyService (the gRPC health service readiness checks, instead of the process's). */}}
 {{- define "prefixcache.container" -}}
 - name: {{ .name }}
-  image: {{ .root.Values.image | quote }}
+  image: {{ .image | quote }}
   imagePullPolicy: {{ .root.Values.imagePullPolicy | quote }}
   args: {{ toJson .args }}
   {{- with .restartPolicy }}

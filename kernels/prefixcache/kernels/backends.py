@@ -137,7 +137,7 @@ class TritonAttentionBackend(_CheckedBackend):
     def _attend(self, query, key, value, key_cache, value_cache, meta, scale):
         return self._paged_attention(
             query, key_cache, value_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            meta.max_query_len, scale,
+            meta.max_query_len, scale, max(meta.seq_lens_list),
         )
 
 
@@ -183,7 +183,7 @@ def _check_triton_usable(device: torch.device, dtype: torch.dtype) -> None:
             "TRITON_INTERPRET=1 is set, but triton was imported before it was: its kernels are compiled for "
             "a GPU and cannot run on CPU"
         )
-    if dtype == torch.bfloat16:  # triton 3.9's interpreter: a 16x16 bf16 tl.dot is off by 1e10
+    if dtype == torch.bfloat16:  # the interpreter of Triton 3.7 and 3.9: a 16x16 bf16 tl.dot is off by 1e10
         raise ValueError("Triton's interpreter computes bfloat16 dot products wrongly; use float32 with it, "
                          "or the 'torch' backend on CPU")
 
@@ -195,11 +195,12 @@ def triton_runs_interpreted() -> bool:
 
     from prefixcache.kernels.triton_ops.paged_attention import _paged_attention_kernel
     from prefixcache.kernels.triton_ops.reshape_and_cache import _reshape_and_cache_kernel
+    from prefixcache.kernels.triton_ops.split_kv import _merge_kv_splits_kernel
 
     # tl.zeros stands for triton.language's own @triton.jit helpers, decorated when triton is imported.
     return all(
         isinstance(function, InterpretedFunction)
-        for function in (tl.zeros, _paged_attention_kernel, _reshape_and_cache_kernel)
+        for function in (tl.zeros, _paged_attention_kernel, _reshape_and_cache_kernel, _merge_kv_splits_kernel)
     )
 
 

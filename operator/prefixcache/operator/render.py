@@ -47,7 +47,8 @@ WORKER_GRACE_SECONDS = 10  # a running step's time to finish once the worker get
 # of generations in flight run on, as long as their generation lasts, up to this.
 TOKENIZER_POD_GRACE_SECONDS = 30
 TOKENIZER_GRACE_SECONDS = 25
-# The image bakes the embedded model here (`prefixcache model pull` with PREFIXCACHE_HOME=/opt/prefixcache).
+# Both images bake the embedded model here (`prefixcache model pull` with PREFIXCACHE_HOME=/opt/prefixcache):
+# the worker image all of it, the control-plane image the tokenizer's files.
 EMBEDDED_MODEL_DIR = "/opt/prefixcache/models/SmolLM2-135M-Instruct"
 MODEL_MOUNT = "/models"
 # The scheduler derives each tenant's salt as HMAC-SHA256(key, tenant); every replica needs the same key.
@@ -57,7 +58,7 @@ TENANT_SALT_KEY_ENV = "PREFIXCACHE_TENANT_SALT_KEY"
 TENANTS_DIR = "/etc/prefixcache/tenants"
 TENANTS_FILE = "tenants.json"
 ENGINE_TLS_DIR = "/etc/prefixcache/tls"
-RUN_AS_USER = 10001  # the image's unprivileged user
+RUN_AS_USER = 10001  # the images' unprivileged user
 CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
 MANAGED_BY = "prefixcache-operator"
 
@@ -219,7 +220,7 @@ def _grpc_probes(port: int, startup_seconds: int, ready_service: str | None) -> 
     }
 
 
-def _container(owner: Owner, name: str, spec: PrefixCacheSpec, args: list[str], port: int | None,
+def _container(owner: Owner, name: str, image: str, spec: PrefixCacheSpec, args: list[str], port: int | None,
                startup_seconds: int, resources: Resources, ready_service: str | None = None,
                health_port: int | None = None) -> dict[str, Any]:
     """One service container; `port` None for a service on loopback only, `health_port` its
@@ -229,7 +230,7 @@ def _container(owner: Owner, name: str, spec: PrefixCacheSpec, args: list[str], 
         ports.append({"name": "health", "containerPort": health_port, "protocol": "TCP"})
     container: dict[str, Any] = {
         "name": name,
-        "image": spec.image,
+        "image": image,
         "imagePullPolicy": spec.image_pull_policy,
         "args": args,
         "ports": ports,
@@ -290,7 +291,7 @@ def _deployment(owner: Owner, name: str, component: str, replicas: int, pod_spec
 
 def _tokenizer_deployment(owner: Owner, spec: PrefixCacheSpec, config_hash: str) -> dict[str, Any]:
     volumes, mounts = _model_volumes(spec)
-    container = _container(owner, "tokenizer", spec, ["tokenizer", "--port", str(TOKENIZER_PORT),
+    container = _container(owner, "tokenizer", spec.image, spec, ["tokenizer", "--port", str(TOKENIZER_PORT),
                                                 "--grace", str(TOKENIZER_GRACE_SECONDS),
                                                 "--model-dir", _model_dir(spec)],
                            TOKENIZER_PORT, startup_seconds=120, resources=spec.tokenizer.resources)
@@ -356,12 +357,12 @@ def _scheduler_secrets(spec: PrefixCacheSpec) -> tuple[list[dict[str, Any]], lis
 
 def _engine_deployment(owner: Owner, spec: PrefixCacheSpec, config_hash: str) -> dict[str, Any]:
     # Ready while the Engine can serve: the scheduler's Engine health drops while a lost worker is replaced.
-    scheduler = _container(owner, "scheduler", spec, _scheduler_args(owner, spec), ENGINE_PORT,
+    scheduler = _container(owner, "scheduler", spec.image, spec, _scheduler_args(owner, spec), ENGINE_PORT,
                            startup_seconds=300, resources=spec.scheduler_resources, ready_service=ENGINE_SERVICE,
                            health_port=SCHEDULER_HEALTH_PORT)
     volumes, mounts = _model_volumes(spec)
     # The worker loads weights and may compile kernels before it reports SERVING: allow ten minutes.
-    worker = _container(owner, "worker", spec, _worker_args(spec), None, startup_seconds=600,
+    worker = _container(owner, "worker", spec.worker.image, spec, _worker_args(spec), None, startup_seconds=600,
                         resources=_worker_resources(spec), health_port=WORKER_HEALTH_PORT)
     worker["volumeMounts"] += mounts
     if spec.tenant_salts is not None:

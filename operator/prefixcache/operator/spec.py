@@ -68,6 +68,7 @@ class Placement:
 
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
+    image: str  # the worker image; the other containers run the control-plane image (`PrefixCacheSpec.image`)
     gpus: int
     gpu_resource: str
     dtype: str  # "auto" leaves the choice to the worker
@@ -85,7 +86,7 @@ class TokenizerSpec:
 
 @dataclass(frozen=True, slots=True)
 class PrefixCacheSpec:
-    image: str
+    image: str  # the control-plane image: tokenizer and scheduler
     image_pull_policy: str
     replicas: int
     model: ModelSpec
@@ -154,7 +155,7 @@ def parse_spec(raw_spec: Mapping[str, Any] | None) -> PrefixCacheSpec:
         enable_prefix_caching=spec["enablePrefixCaching"],
         max_num_seqs=spec["maxNumSeqs"],
         kv_cache_memory_bytes=kv_bytes,
-        worker=WorkerSpec(gpus=worker["gpus"], gpu_resource=worker["gpuResource"], dtype=worker["dtype"],
+        worker=WorkerSpec(image=worker["image"], gpus=worker["gpus"], gpu_resource=worker["gpuResource"], dtype=worker["dtype"],
                           attention_backend=worker["attentionBackend"],
                           resources=_resources(worker["resources"]), placement=_placement(worker)),
         scheduler_resources=_resources(spec["scheduler"]["resources"]),

@@ -54,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=bounded_int(1, 65535), default=50051, help="Engine API port (default 50051)")
     parser.add_argument("--host", default="localhost", help="Engine API address (default localhost)")
     parser.add_argument("--model-dir", type=Path, help="Hugging Face model directory (default: the embedded model)")
-    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    parser.add_argument("--dtype", default="auto",
+                        help="auto (bfloat16 on a GPU that has it, else float32), float32, bfloat16 or float16")
     parser.add_argument("--device", default="cpu", help="the worker's torch device (cpu, cuda)")
     parser.add_argument("--attention-backend", help="the worker's attention kernels by name (default: per device)")
     parser.add_argument("--kv-cache-memory", default="1GiB",

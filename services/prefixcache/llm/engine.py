@@ -37,7 +37,7 @@ class AsyncLLM:
     max_num_seqs, max_num_batched_tokens, max_model_len, ...), as `prefixcache serve` takes them.
     """
 
-    def __init__(self, model_dir: str | Path | None = None, *, kv_cache_memory: str = "1GiB", dtype: str = "float32",
+    def __init__(self, model_dir: str | Path | None = None, *, kv_cache_memory: str = "1GiB", dtype: str = "auto",
                  device: str = "cpu", attention_backend: str | None = None, **scheduler_settings: Any) -> None:
         self.config = SchedulerConfig(**scheduler_settings)
         self.model_dir = Path(model_dir) if model_dir is not None else ensure_default_model()

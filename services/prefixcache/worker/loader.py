@@ -50,6 +50,25 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def resolve_dtype(name: str, device: torch.device) -> str:
+    """`name`, or for "auto" the dtype `device` serves best (`auto_dtype`)."""
+    if name == "auto":
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        return auto_dtype(device.type, capability)
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {name!r}")
+    return name
+
+
+def auto_dtype(device_type: str, compute_capability: tuple[int, int] | None) -> str:
+    """bfloat16 on GPUs with bfloat16 tensor cores (compute capability 8.0 on: A100, L4, H100, ...), where
+    it halves the KV cache and is what everyone serves in; float32 elsewhere: on CPU, where greedy tokens
+    then equal transformers' exactly, and on older GPUs, which have no fast bfloat16."""
+    if device_type == "cuda" and compute_capability is not None and compute_capability >= (8, 0):
+        return "bfloat16"
+    return "float32"
+
+
 def weight_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a checkpoint: from its shard index when it has one, else
     `model.safetensors`, else every `*.safetensors` (shards named without an index)."""

@@ -33,8 +33,9 @@ from prefixcache.step.messages import (
     SchedulerStep,
     StepOutput,
 )
+from prefixcache.worker.cuda_check import CudaSetup, cuda_problem
 from prefixcache.worker.kv_memory import free_device_memory
-from prefixcache.worker.loader import load_model, parse_dtype
+from prefixcache.worker.loader import load_model, parse_dtype, resolve_dtype
 from prefixcache.worker.sampler import make_generator, sample, validate_sampling
 
 
@@ -72,20 +73,20 @@ class _Batch:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str | Path, dtype: str = "float32", device: str = "cpu",
+    def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
                  attention_backend: str | None = None, num_threads: int | None = None) -> None:
+        """`dtype` "auto" is bfloat16 on a GPU that has it, float32 elsewhere (`loader.auto_dtype`)."""
         self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {device!r} was asked for, but this machine has no CUDA device "
-                             "(or torch was built without CUDA); use --device cpu")
+        if self.device.type == "cuda" and (problem := cuda_problem(CudaSetup.probe(), self.device)):
+            raise ValueError(problem)
         if self.device.type == "cpu":
             # torch defaults to every physical core of the host; use the cores this process may run on.
             torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
-        self.dtype_name = dtype
-        self.dtype = parse_dtype(dtype)
+        self.dtype_name = resolve_dtype(dtype, self.device)
+        self.dtype = parse_dtype(self.dtype_name)
         self.attention_backend = attention_backend
         self.backend = get_attention_backend(attention_backend, self.device, dtype=self.dtype)
-        loaded = load_model(model_dir, dtype, str(self.device))
+        loaded = load_model(model_dir, self.dtype_name, str(self.device))
         self.model = loaded.model
         self.config = loaded.config
         self.model_id = loaded.model_id

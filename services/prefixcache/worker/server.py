@@ -1,8 +1,10 @@
 """The worker service: hosts one ModelRunner and its paged KV cache behind the Worker gRPC API.
 
-`prefixcache worker --port 50052 [--model-dir DIR] [--dtype float32] [--kv-cache-memory 1GiB]
+`prefixcache worker --port 50052 [--model-dir DIR] [--device cuda] [--dtype auto] [--kv-cache-memory 1GiB]
 [--attention-backend torch]`. The model loads after the port is bound; health says SERVING once it
 has. Steps run one at a time on a worker thread so health checks keep answering during a forward.
+A CUDA device this process cannot use (a CPU build of torch, no driver, a driver older than torch's
+CUDA) stops it before anything starts, with one line saying why (`cuda_check`).
 """
 from __future__ import annotations
 
@@ -129,8 +131,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=listen_port, default=50052, help="port to listen on")
     parser.add_argument("--host", default="[::]", help="address to bind (default: all interfaces)")
     parser.add_argument("--model-dir", type=Path, help="Hugging Face model directory (default: the embedded model)")
-    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto",
+                        help="auto (bfloat16 on a GPU that has it, else float32), float32, bfloat16 or float16")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument(
         "--kv-cache-memory",
         default="1GiB",
@@ -164,6 +167,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         log.error("%s", error)
         return 2
+    if args.device.startswith("cuda"):
+        from prefixcache.worker.cuda_check import CudaSetup, cuda_problem
+
+        if problem := cuda_problem(CudaSetup.probe(), args.device):
+            log.error("%s", problem)
+            return 1
     servicer = WorkerServicer()
 
     async def load_model() -> None:

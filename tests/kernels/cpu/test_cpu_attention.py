@@ -16,6 +16,8 @@ from prefixcache.kernels.cpu.attention import (
 )
 from prefixcache.kernels.cpu.attention_plan import TorchAttentionPlan
 
+CPU = torch.device("cpu")
+
 # (queries per kv head, head_dim, block_size); two kv heads each.
 SHAPES = [
     pytest.param(1, 16, 4, id="gqa1-d16-bs4"),
@@ -34,16 +36,16 @@ BATCHES = [
 
 @pytest.mark.parametrize("sequences", BATCHES)
 @pytest.mark.parametrize("queries_per_kv,head_dim,block_size", SHAPES)
-def test_torch_path_matches_reference(paged_batch, relative_error, sequences, queries_per_kv, head_dim, block_size):
-    batch = paged_batch(
-        sequences, block_size=block_size, num_kv_heads=2, queries_per_kv=queries_per_kv, head_dim=head_dim
-    )
+def test_torch_path_matches_reference(paged_batch, relative_error, device, sequences, queries_per_kv, head_dim,
+                                      block_size):
+    batch = paged_batch(sequences, block_size=block_size, num_kv_heads=2, queries_per_kv=queries_per_kv,
+                        head_dim=head_dim, device=device)
     meta = batch.write_new_kv()
     plan = TorchAttentionPlan.build(meta, block_size)
     output = attend_torch(
         batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, plan, batch.scale
     )
-    assert relative_error(output.cpu(), batch.reference_attention()) < 1e-5
+    assert relative_error(output, batch.reference_attention()) < 1e-5
 
 
 @pytest.mark.parametrize("queries_per_kv", [1, 3])
@@ -52,7 +54,7 @@ def test_context_prefills_off_cpu_take_one_masked_call_with_the_same_result(page
     # The split path's flash kernel (it returns the log-sum-exp) exists on CPU only; other devices
     # attend context and chunk in one masked call. Both run here, on CPU, against the reference.
     batch = paged_batch([(9, 5), (21, 19), (4, 2)], block_size=4, num_kv_heads=2, queries_per_kv=queries_per_kv,
-                        head_dim=16)
+                        head_dim=16, device=CPU)
     meta = batch.write_new_kv()
     plan = TorchAttentionPlan.build(meta, 4)
     expected = batch.reference_attention()
@@ -70,17 +72,15 @@ def test_context_prefills_off_cpu_take_one_masked_call_with_the_same_result(page
         assert relative_error(split, expected[rows]) < 1e-5
 
 
-def test_torch_path_matches_reference_in_bfloat16(paged_batch, relative_error):
-    batch = paged_batch(
-        [(0, 9), (11, 4), (7, 1), (20, 1)], block_size=4, num_kv_heads=2, queries_per_kv=3, head_dim=16,
-        dtype=torch.bfloat16,
-    )
+def test_torch_path_matches_reference_in_bfloat16(paged_batch, relative_error, device):
+    batch = paged_batch([(0, 9), (11, 4), (7, 1), (20, 1)], block_size=4, num_kv_heads=2, queries_per_kv=3,
+                        head_dim=16, dtype=torch.bfloat16, device=device)
     meta = batch.write_new_kv()
-    output = get_attention_backend("torch").attend(
+    output = get_attention_backend("torch", device, dtype=torch.bfloat16).attend(
         batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, meta, batch.scale
     )
     assert output.dtype == torch.bfloat16
-    assert relative_error(output.cpu(), batch.reference_attention()) < 2e-2
+    assert relative_error(output, batch.reference_attention()) < 2e-2
 
 
 @pytest.mark.parametrize("queries_per_kv", [1, 3])
@@ -88,10 +88,11 @@ def test_torch_path_matches_reference_in_bfloat16(paged_batch, relative_error):
 def test_torch_path_attends_shared_leading_blocks_once(paged_batch, relative_error, queries_per_kv, dtype, tolerance):
     """Decodes whose tables start with the same 16 blocks (a cached 256-token prompt) attend to them as a
     cascade: one call over the shared blocks, one over each sequence's own tail (padded, partial last
-    blocks), merged. A decode with its own table and a fresh prefill ride in the same step."""
+    blocks), merged. A decode with its own table and a fresh prefill ride in the same step. Cascades are
+    planned on the CPU only (their merge needs the CPU flash kernel's log-sum-exp)."""
     sequences = [(300, 1), (270, 1), (333, 1), (290, 1), (100, 1), (0, 5)]
     batch = paged_batch(sequences, block_size=16, num_kv_heads=2, queries_per_kv=queries_per_kv, head_dim=16,
-                        dtype=dtype)
+                        dtype=dtype, device=CPU)
     for table in batch.block_tables[1:4]:
         table[:16] = batch.block_tables[0][:16]
     meta = batch.write_new_kv()
@@ -102,15 +103,15 @@ def test_torch_path_attends_shared_leading_blocks_once(paged_batch, relative_err
     assert [decodes.token_index.tolist() for decodes in plan.decode_batches] == [[4]]
     output = attend_torch(batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, plan, batch.scale)
     assert output.dtype == dtype
-    assert relative_error(output.cpu(), batch.reference_attention()) < tolerance
+    assert relative_error(output, batch.reference_attention()) < tolerance
 
 
 def test_torch_path_reads_consecutive_blocks_in_place_with_the_same_result(paged_batch, relative_error):
     """The same step with every sequence's blocks moved to consecutive ids: the lone decode, the chunk on
     cached context and the cascade's shared blocks are read as views of the cache instead of gathered
-    copies, and the output is the same to the bit."""
+    copies, and the output is the same to the bit. (On the CPU, where its plan includes cascades.)"""
     sequences = [(300, 1), (290, 1), (700, 1), (40, 9), (0, 5), (100, 1), (95, 1)]
-    scattered = paged_batch(sequences, block_size=16, num_kv_heads=2, queries_per_kv=3, head_dim=16)
+    scattered = paged_batch(sequences, block_size=16, num_kv_heads=2, queries_per_kv=3, head_dim=16, device=CPU)
     scattered.block_tables[1][:16] = scattered.block_tables[0][:16]  # a shared 256-token prompt
     relocation: dict[int, int] = {}  # old block id -> new, in table order: each table's own blocks consecutive
     for table in scattered.block_tables:
@@ -141,11 +142,12 @@ def test_torch_path_reads_consecutive_blocks_in_place_with_the_same_result(paged
     assert views(plans[1]) == [chunk, shared, None, lone_decode]  # the two-decode group is still gathered
 
 
-def test_torch_write_path_matches_reference(paged_batch):
-    batch = paged_batch([(0, 6), (9, 5), (12, 1)], block_size=4, num_kv_heads=3, queries_per_kv=1, head_dim=8)
-    meta = AttentionMetadata.build(batch.query_lens, batch.seq_lens, batch.block_tables, batch.block_size, "cpu")
+def test_torch_write_path_matches_reference(paged_batch, device):
+    batch = paged_batch([(0, 6), (9, 5), (12, 1)], block_size=4, num_kv_heads=3, queries_per_kv=1, head_dim=8,
+                        device=device)
+    meta = AttentionMetadata.build(batch.query_lens, batch.seq_lens, batch.block_tables, batch.block_size, device)
     expected_keys, expected_values = batch.key_cache.clone(), batch.value_cache.clone()
     reshape_and_cache_reference(batch.key, batch.value, expected_keys, expected_values, meta.slot_mapping)
-    get_attention_backend("torch").write_kv(batch.key, batch.value, batch.key_cache, batch.value_cache, meta)
+    get_attention_backend("torch", device).write_kv(batch.key, batch.value, batch.key_cache, batch.value_cache, meta)
     assert torch.equal(batch.key_cache, expected_keys)
     assert torch.equal(batch.value_cache, expected_values)

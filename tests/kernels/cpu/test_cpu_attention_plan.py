@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from prefixcache.kernels import AttentionMetadata
 from prefixcache.kernels.cpu.attention_plan import TorchAttentionPlan
+
+
+@pytest.fixture
+def paged_batch(paged_batch):
+    """Batches on the CPU: cascades are planned there only (see `attention_plan`)."""
+    return functools.partial(paged_batch, device="cpu")
 
 
 def test_torch_path_groups_decodes_of_similar_length(paged_batch):

@@ -7,6 +7,8 @@ that fails to build fails these tests rather than hiding behind the torch fallba
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -19,9 +21,9 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture
-def device() -> torch.device:
-    """`paged_batch` builds on the CPU here, also on a machine whose kernel tests run on CUDA."""
-    return CPU
+def paged_batch(paged_batch):
+    """Batches on the CPU: these kernels are CPU kernels, also on a machine that has CUDA."""
+    return functools.partial(paged_batch, device=CPU)
 
 
 @pytest.fixture(scope="module")

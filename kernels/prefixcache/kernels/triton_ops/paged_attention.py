@@ -7,6 +7,11 @@ the block table, so any block size and any block order work. A query at absolute
 keys `0..p`: its sequence's cached context and, causally, this step's own tokens, which the caller
 has already written to the cache.
 
+When the grid is too small to occupy the GPU (a few decodes over long contexts), the keys of each
+tile are split into `kv_splits` consecutive ranges, one program each; every program then writes its
+unnormalised partial output with its running max and sum, and `split_kv.merge_kv_splits` combines
+them (see `split_kv` for the merge and for how many splits a batch gets).
+
 Reference: `reference.paged_attention_reference`. On CPU this module only runs under Triton's
 interpreter, and `TRITON_INTERPRET=1` must be set before it is imported (`@triton.jit` reads it).
 """
@@ -19,10 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
+from prefixcache.kernels.triton_ops.split_kv import PartialResults, choose_kv_splits, merge_kv_splits
+
 
 @triton.jit
 def _paged_attention_kernel(
-    output_ptr,  # [num_tokens, num_q_heads, head_dim]
+    output_ptr,  # [num_tokens, num_q_heads, head_dim]; with KV_SPLITS > 1, unused (the merge writes it)
+    partial_output_ptr,  # [num_tokens, num_q_heads, KV_SPLITS, head_dim] float32, unnormalised (KV_SPLITS > 1)
+    partial_max_ptr,  # [num_tokens, num_q_heads, KV_SPLITS] float32: each split's running max, base 2
+    partial_sum_ptr,  # [num_tokens, num_q_heads, KV_SPLITS] float32: each split's sum of weights
     query_ptr,  # [num_tokens, num_q_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -39,6 +49,8 @@ def _paged_attention_kernel(
     stride_cache_head,
     stride_block_table_seq,
     block_size,
+    num_q_heads,
+    KV_SPLITS: tl.constexpr,  # programs per (sequence, query tile, kv head), each over one range of keys
     QUERIES_PER_KV: tl.constexpr,
     QUERIES_PER_KV_PAD: tl.constexpr,  # next power of two, since tl.arange needs one
     BLOCK_Q: tl.constexpr,  # query tokens per program; the tile has BLOCK_Q * QUERIES_PER_KV_PAD rows
@@ -49,7 +61,8 @@ def _paged_attention_kernel(
 ):
     seq = tl.program_id(0)
     query_tile = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    kv_head = tl.program_id(2) // KV_SPLITS
+    kv_split = tl.program_id(2) % KV_SPLITS
 
     query_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
@@ -74,16 +87,20 @@ def _paged_attention_kernel(
     )
     q = tl.load(query_ptr + query_offsets, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
 
-    # Every row sees position 0 in the first tile, so row_max is finite from then on (no NaN).
     row_max = tl.full([BLOCK_Q * QUERIES_PER_KV_PAD], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_Q * QUERIES_PER_KV_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * QUERIES_PER_KV_PAD, HEAD_DIM_PAD], tl.float32)
 
-    # Keys after the tile's last query are invisible to all of its rows.
+    # Keys after the tile's last query are invisible to all of its rows. This program takes the
+    # `kv_split`-th of KV_SPLITS equal ranges of the rest, whole TILE_KV steps each (the last ones
+    # may be empty: a row that sees no key of its range leaves max -inf and sum 0, which the merge weighs 0).
     kv_end = tl.minimum(seq_len, context_len + (query_tile + 1) * BLOCK_Q)
-    for kv_start in range(0, kv_end, TILE_KV):
+    split_len = tl.cdiv(tl.cdiv(kv_end, KV_SPLITS), TILE_KV) * TILE_KV
+    kv_begin = kv_split * split_len
+    kv_stop = tl.minimum(kv_begin + split_len, kv_end)
+    for kv_start in range(kv_begin, kv_stop, TILE_KV):
         kv_position = kv_start + tl.arange(0, TILE_KV)
-        kv_valid = kv_position < kv_end
+        kv_valid = kv_position < kv_stop
         block = tl.load(
             block_tables_ptr + seq * stride_block_table_seq + kv_position // block_size, mask=kv_valid, other=0
         ).to(tl.int64)
@@ -100,21 +117,27 @@ def _paged_attention_kernel(
         scores = tl.where(visible, scores, float("-inf"))
 
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        correction = tl.exp2(row_max - new_max)
-        weights = tl.exp2(scores - new_max[:, None])
+        # A row that has seen no key yet keeps max -inf: subtract 0 instead, so its weights are exp2(-inf) = 0
+        # rather than NaN. (Without splits every row sees position 0 in the first tile.)
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        correction = tl.exp2(row_max - shift)
+        weights = tl.exp2(scores - shift[:, None])
         row_sum = row_sum * correction + tl.sum(weights, axis=1)
         acc = acc * correction[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=DOT_PRECISION)
         row_max = new_max
 
-    output = acc / row_sum[:, None]
-    output_offsets = (
-        (query_start + token)[:, None] * stride_output_token + head[:, None] * stride_output_head + dims[None, :]
-    )
-    tl.store(
-        output_ptr + output_offsets,
-        output.to(output_ptr.dtype.element_ty),
-        mask=row_valid[:, None] & dim_valid[None, :],
-    )
+    store_mask = row_valid[:, None] & dim_valid[None, :]
+    if KV_SPLITS > 1:
+        partial_row = ((query_start + token).to(tl.int64) * num_q_heads + head) * KV_SPLITS + kv_split
+        tl.store(partial_max_ptr + partial_row, row_max, mask=row_valid)
+        tl.store(partial_sum_ptr + partial_row, row_sum, mask=row_valid)
+        tl.store(partial_output_ptr + partial_row[:, None] * HEAD_DIM + dims[None, :], acc, mask=store_mask)
+    else:
+        output = acc / row_sum[:, None]
+        output_offsets = (
+            (query_start + token)[:, None] * stride_output_token + head[:, None] * stride_output_head + dims[None, :]
+        )
+        tl.store(output_ptr + output_offsets, output.to(output_ptr.dtype.element_ty), mask=store_mask)
 
 
 def paged_attention(
@@ -126,9 +149,15 @@ def paged_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     max_query_len: int,
     scale: float,
+    max_seq_len: int,
     tile_kv: int = 32,
+    kv_splits: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
-    """Attention of every packed query over its sequence's paged keys and values, causally."""
+    """Attention of every packed query over its sequence's paged keys and values, causally.
+
+    `max_seq_len` is the longest of `seq_lens` (known on the host, so nothing waits for the GPU);
+    `kv_splits`, programs per query tile and kv head, is chosen from the batch (`split_kv`) unless given.
+    """
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     if key_cache.shape[3] != head_dim or num_q_heads % num_kv_heads != 0:
@@ -142,6 +171,8 @@ def paged_attention(
         raise ValueError("key_cache and value_cache must share one shape and layout")
     if query.stride(-1) != 1 or key_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
         raise ValueError("query, the caches and block_tables must be contiguous in their last dimension")
+    if kv_splits is not None and (kv_splits < 1 or kv_splits & (kv_splits - 1)):
+        raise ValueError(f"kv_splits must be a power of two, got {kv_splits}")
 
     output = torch.empty_like(query)
     num_seqs = seq_lens.shape[0]
@@ -152,9 +183,16 @@ def paged_attention(
     # tl.dot wants at least 16 rows; decode-only batches take no more than that.
     tile_rows = 16 if max_query_len == 1 else 64
     block_q = max(1, tile_rows // queries_per_kv_pad)
-    grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    num_query_tiles = triton.cdiv(max_query_len, block_q)
+    if kv_splits is None:
+        kv_splits = choose_kv_splits(num_seqs * num_query_tiles * num_kv_heads, max_seq_len, query.device)
+    partials = PartialResults.allocate(num_tokens, num_q_heads, kv_splits, head_dim, query.device, output)
+    grid = (num_seqs, num_query_tiles, num_kv_heads * kv_splits)
     _paged_attention_kernel[grid](
         output,
+        partials.output,
+        partials.max,
+        partials.sum,
         query,
         key_cache,
         value_cache,
@@ -171,6 +209,8 @@ def paged_attention(
         key_cache.stride(2),
         block_tables.stride(0),
         key_cache.shape[1],
+        num_q_heads,
+        KV_SPLITS=kv_splits,
         QUERIES_PER_KV=queries_per_kv,
         QUERIES_PER_KV_PAD=queries_per_kv_pad,
         BLOCK_Q=block_q,
@@ -180,4 +220,6 @@ def paged_attention(
         # Full fp32 products for fp32 inputs (Triton would default to tf32); 16-bit inputs use the default.
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
     )
+    if kv_splits > 1:
+        merge_kv_splits(partials, output)
     return output
