@@ -14,8 +14,9 @@
 #   bench    a short `prefixcache bench` against the server of the device's default dtype
 #
 #   scripts/gpu_check.sh                 # on the GPU machine
-#   scripts/gpu_check.sh --device cpu    # every step on the CPU path, in the environment at hand
-#                                        # ($PYTHON, else .venv/bin/python): no CUDA install
+#   scripts/gpu_check.sh --device cpu    # every step on the CPU path, in .venv: no CUDA install
+# PYTHON=path/to/python skips the install and runs the rest with that environment (on a GPU machine
+# without the package index, one holding the CUDA build of torch and `.[test]`).
 # Logs stay in $GPU_CHECK_DIR (default: a new temporary directory). Exit status 1 if a step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -194,13 +195,13 @@ pytest_on_device() {
 }
 
 echo "prefixcache GPU check on $DEVICE; logs in $WORK"
-if [ "$DEVICE" = cuda ]; then
+if [ "$DEVICE" = cuda ] && [ -z "${PYTHON:-}" ]; then
   VENV=${GPU_CHECK_VENV:-.venv-gpu}
   PY=$ROOT/$VENV/bin/python
   step install install_cuda_environment
 else
   PY=${PYTHON:-$ROOT/.venv/bin/python}
-  skip install "--device cpu: the environment of $PY, no CUDA install"
+  skip install "--device $DEVICE: the environment of $PY, no CUDA install"
 fi
 if [ "$FAILED" -eq 0 ]; then
   DEFAULT_DTYPE=$("$PY" -c "import torch; from prefixcache.worker.loader import resolve_dtype; \
