@@ -20,6 +20,7 @@ import inspect
 import logging
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -332,10 +333,13 @@ def client_interceptors() -> list[aio.ClientInterceptor]:
 
 class SpanRegistry:
     """Span contexts of in-flight requests by id, so work done for a batch (one engine step serves
-    many requests) can link back to each request's span."""
+    many requests) can link back to each request's span; and of the newest `max_steps` steps by
+    step id, so each request's spans can link to the steps that computed it."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_steps: int = 4096) -> None:
         self._contexts: dict[str, trace.SpanContext] = {}
+        self._steps: OrderedDict[int, trace.SpanContext] = OrderedDict()
+        self._max_steps = max_steps
 
     def add(self, request_id: str, span: trace.Span) -> None:
         if _enabled:
@@ -345,4 +349,13 @@ class SpanRegistry:
         self._contexts.pop(request_id, None)
 
     def links(self, request_ids: Iterable[str]) -> list[trace.Link]:
-        return [trace.Link(self._contexts[r]) for r in request_ids if r in self._contexts]
+        return [trace.Link(self._contexts[r], {"prefix_cache.link": "computed_request"})
+                for r in request_ids if r in self._contexts]
+
+    def add_step(self, step_id: int, span: trace.Span) -> None:
+        self._steps[step_id] = span.get_span_context()
+        if len(self._steps) > self._max_steps:
+            self._steps.popitem(last=False)
+
+    def step(self, step_id: int | None) -> trace.SpanContext | None:
+        return self._steps.get(step_id) if step_id is not None else None

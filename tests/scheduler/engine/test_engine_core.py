@@ -73,7 +73,7 @@ def test_preemption_under_a_small_pool_still_gives_every_request_its_tokens():
             assert tokens_of(outputs) == reference_generation(prompt, 20, VOCAB)
         assert sum(s.finished_request_ids != [] for s in worker.steps) > 0
         assert max(o[-1].num_preemptions for o in results) > 0
-        counted = re.search(r"^prefixcache_preemptions_total (\S+)$", engine.metrics.exposition().decode(), re.M)
+        counted = re.search(r'^prefixcache_preemptions_total\{model_name="sim-model"\} (\S+)$', engine.metrics.exposition().decode(), re.M)
         assert float(counted[1]) > 0
 
     run(body, worker)
@@ -229,15 +229,15 @@ def test_metrics_expose_cache_and_queue_counters():
         await collect(engine.add_request(request("a", shared)))
         await collect(engine.add_request(request("b", shared)))
         text = engine.metrics.exposition().decode()
-        assert "prefixcache_prefix_cache_queries_total 100.0" in text
-        assert "prefixcache_prefix_cache_hits_total 48.0" in text
-        assert "prefixcache_generation_tokens_total 12.0" in text
-        assert 'prefixcache_requests_finished_total{finish_reason="length"} 0.0' in text  # the reader counts
-        assert 'prefixcache_kv_blocks{state="used"} 0.0' in text
-        assert 'prefixcache_kv_blocks{state="free"} 64.0' in text  # the states add up to the pool
+        assert 'prefixcache_prefix_cache_queries_total{model_name="sim-model"} 100.0' in text
+        assert 'prefixcache_prefix_cache_hits_total{model_name="sim-model"} 48.0' in text
+        assert 'prefixcache_generation_tokens_total{model_name="sim-model"} 12.0' in text
+        assert 'prefixcache_requests_finished_total{finish_reason="length",model_name="sim-model"} 0.0' in text  # the reader counts
+        assert 'prefixcache_kv_blocks{model_name="sim-model",state="used"} 0.0' in text
+        assert 'prefixcache_kv_blocks{model_name="sim-model",state="free"} 64.0' in text  # the states add up to the pool
         # 13 blocks of 55 computed tokens, and b's own copy of block 12 (its prompt ends inside it: no hit)
-        assert "prefixcache_kv_cached_blocks 14.0" in text
-        assert "prefixcache_requests_running 0.0" in text
+        assert 'prefixcache_kv_cached_blocks{model_name="sim-model"} 14.0' in text
+        assert 'prefixcache_requests_running{model_name="sim-model"} 0.0' in text
 
     run(body)
 

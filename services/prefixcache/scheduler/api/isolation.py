@@ -4,6 +4,10 @@
 salt = hex(HMAC-SHA256(key, tenant)). The key comes from `PREFIXCACHE_TENANT_SALT_KEY` (give every
 scheduler replica the same one, so a tenant's hashes agree across replicas); without it, each process
 draws a random key, which isolates tenants just as well but only within one process.
+
+A request's span names its isolation domain by a label, a keyed one-way digest of the tenant (or of
+the cache salt) under another domain of the same key: it tells requests of one tenant from another's,
+cannot be turned back into the tenant or the salt, and cannot be guessed offline without the key.
 """
 from __future__ import annotations
 
@@ -31,6 +35,11 @@ class TenantSalts:
     def salt_for(self, tenant: str) -> str:
         return hmac.new(self._key, tenant.encode(), hashlib.sha256).hexdigest()
 
+    def label_for(self, kind: str, value: str) -> str:
+        """The span label of a tenant or cache salt (`kind`): 64 bits of a digest no salt is made of."""
+        message = b"prefixcache span label\0" + kind.encode() + b"\0" + value.encode()
+        return hmac.new(self._key, message, hashlib.sha256).hexdigest()[:16]
+
 
 def request_salt(request: pb.GenerateRequest, tenants: TenantSalts) -> str | None:
     """The salt `request`'s blocks are hashed with: its cache salt, its tenant's, or none.
@@ -50,3 +59,12 @@ def request_salt(request: pb.GenerateRequest, tenants: TenantSalts) -> str | Non
     if request.HasField("tenant"):
         return tenants.salt_for(request.tenant)
     return None
+
+
+def isolation_attributes(request: pb.GenerateRequest, tenants: TenantSalts) -> dict[str, str]:
+    """The span's `prefix_cache.isolation` (tenant, cache_salt or none) and, for the first two,
+    `prefix_cache.tenant`: the domain's label (see the module's docstring), never the value itself."""
+    kind = request.WhichOneof("isolation")
+    if kind is None:
+        return {"prefix_cache.isolation": "none"}
+    return {"prefix_cache.isolation": kind, "prefix_cache.tenant": tenants.label_for(kind, getattr(request, kind))}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -35,8 +36,8 @@ from prefixcache.scheduler.api.codec import (
     engine_request,
     public_field,
 )
-from prefixcache.scheduler.api.isolation import TenantSalts, request_salt
-from prefixcache.scheduler.api.spans import request_attributes
+from prefixcache.scheduler.api.isolation import TenantSalts, isolation_attributes, request_salt
+from prefixcache.scheduler.api.spans import request_attributes, request_span_name, traced_context
 from prefixcache.scheduler.api.stream import ResponseStream
 from prefixcache.scheduler.engine import EngineCore, EngineUnavailable, QueueFull, RequestOutput, RequestRejected
 from prefixcache.scheduler.metrics import FINISH_ERROR
@@ -109,7 +110,7 @@ class EngineServicer(pb_grpc.EngineServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         # The span is current only while each response is computed (see `iterate_in_context`).
         attributes = request_attributes(request_id, request, self._engine.config, self._engine.worker_info)
-        with quiet_span(_tracer, "generate", current=False, attributes=attributes) as span:
+        with quiet_span(_tracer, request_span_name(attributes), current=False, attributes=attributes) as span:
             responses = iterate_in_context(self._responses(request_id, request, context, span),
                                            trace.set_span_in_context(span))
             async with contextlib.aclosing(responses):  # closes `_responses`, which annotates the span
@@ -119,14 +120,16 @@ class EngineServicer(pb_grpc.EngineServicer):
     async def _responses(
         self, request_id: str, request: pb.GenerateRequest, context: aio.ServicerContext, span: trace.Span
     ) -> AsyncIterator[pb.GenerateResponse]:
+        arrival_ns = time.time_ns()
         try:
             check_served(request)
             check_stop_strings(list(request.sampling.stop))
             salt = request_salt(request, self._tenants)
+            span.set_attributes(isolation_attributes(request, self._tenants))
             tokenizer_id = self._expected_tokenizer_id()  # the same for the prompt and the reply
             prompt_ids = await self._prompt_ids(request, tokenizer_id)
             submitted = engine_request(request_id, request, prompt_ids, capacity_tokens=self._engine.capacity_tokens,
-                                       cache_salt=salt)
+                                       cache_salt=salt, trace_context=traced_context(span), arrival_ns=arrival_ns)
             detokenizer = self._tokenizer.detokenizer(prompt_ids, tokenizer_id)
             if request.WhichOneof("prompt") == "token_ids":  # the tokenizer is checked before the prefill
                 self._engine.validate(submitted)  # the ids, before the tokenizer sees them
@@ -155,7 +158,8 @@ class EngineServicer(pb_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, _tokenizer_failed(request_id, code, details))
         span.set_attribute("gen_ai.usage.input_tokens", len(prompt_ids))
 
-        stream = ResponseStream(request_id, self._engine, detokenizer, list(request.sampling.stop))
+        stream = ResponseStream(request_id, self._engine, detokenizer, list(request.sampling.stop), arrival_ns,
+                                self._request_spans)
         self._request_spans.add(request_id, span)
         failed = False  # the call ends UNAVAILABLE for a fault of ours the engine did not see
         lost = False  # the engine lost the worker: it ended the request and counted it
@@ -205,6 +209,7 @@ class EngineServicer(pb_grpc.EngineServicer):
     async def GetCacheStats(self, request: pb.GetCacheStatsRequest, context: aio.ServicerContext) -> pb.CacheStats:
         try:
             stats = self._engine.cache_stats()
+            lookups = self._engine.lookups
         except EngineUnavailable as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         config = self._engine.config
@@ -221,6 +226,11 @@ class EngineServicer(pb_grpc.EngineServicer):
             evictions=stats.evictions,
             running_requests=self._engine.num_running,
             waiting_requests=self._engine.num_waiting,
+            missed_tokens_by_reason=lookups.missed_tokens,
+            lookups=lookups.lookups,
+            evicted_lookups=lookups.evicted_lookups,
+            idle_cached_blocks=stats.idle_cached_blocks,
+            model_name=self._engine.worker_info.model_id,
         )
 
     async def ResetPrefixCache(
