@@ -13,7 +13,7 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -62,6 +62,7 @@ async def run_server(
     shutdown: Callable[[float], Awaitable[None]] | None = None,
     ready: Callable[[int], None] | None = None,
     health: health_aio.HealthServicer | None = None,
+    interceptors: Sequence[aio.ServerInterceptor] = (),
 ) -> int:
     """Serve until SIGTERM/SIGINT; return the process exit code.
 
@@ -72,6 +73,7 @@ async def run_server(
 
     `ready(port)` is called once the port is bound (port 0 picks a free one). Pass `health` to set
     a service's status yourself while serving; this sets every service's on start and stop.
+    `interceptors` run after the shared ones (the calls' metrics, say).
     """
     try:
         configure_tracing(service_name)
@@ -79,7 +81,8 @@ async def run_server(
         log.error("%s cannot start: OpenTelemetry settings (OTEL_*): %s", service_name, error)
         return 1
     try:
-        return await _serve(service_name, address, servicers, grace_s, drain_idle_s, startup, shutdown, ready, health)
+        return await _serve(service_name, address, servicers, grace_s, drain_idle_s, startup, shutdown, ready, health,
+                            interceptors)
     finally:
         shutdown_tracing()  # spans of a failed start are worth having too
 
@@ -94,9 +97,11 @@ async def _serve(
     shutdown: Callable[[float], Awaitable[None]] | None,
     ready: Callable[[int], None] | None,
     health: health_aio.HealthServicer | None,
+    extra_interceptors: Sequence[aio.ServerInterceptor],
 ) -> int:
     activity = CallActivity() if drain_idle_s > 0 else None
-    interceptors = [MalformedRequestInterceptor(), *([activity] if activity else []), ServerTracingInterceptor()]
+    interceptors = [MalformedRequestInterceptor(), *([activity] if activity else []), ServerTracingInterceptor(),
+                    *extra_interceptors]
     server = aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
     health = health or health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -14,7 +14,6 @@ received, so a trace is not cut by one unconfigured hop.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import inspect
 import logging
@@ -29,7 +28,7 @@ from grpc import aio
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
-from prefixcache.rpc.interceptors import behavior_of, rebuild_handler
+from prefixcache.rpc.interceptors import behavior_of, rebuild_handler, status_code_of
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -191,20 +190,10 @@ _SERVER_ERROR_CODES = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLI
 
 
 def _set_status_code(span: trace.Span, context: aio.ServicerContext, error: BaseException | None) -> None:
-    """The call's gRPC status on its span (OpenTelemetry's `rpc.grpc.status_code`): the one the
-    handler set or aborted with; else OK, DEADLINE_EXCEEDED or CANCELLED for a call that ran out of
-    time or that the client left, UNKNOWN for a crash. The span is an error for the server's faults
-    only (`_SERVER_ERROR_CODES`), described by the code's name, never by a message."""
-    code = context.code()
-    if not isinstance(code, grpc.StatusCode):
-        if error is None:
-            code = grpc.StatusCode.OK
-        elif isinstance(error, (asyncio.CancelledError, GeneratorExit)):
-            remaining = context.time_remaining()
-            code = grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 \
-                else grpc.StatusCode.CANCELLED
-        else:
-            code = grpc.StatusCode.UNKNOWN
+    """The call's gRPC status on its span (OpenTelemetry's `rpc.grpc.status_code`, see
+    `status_code_of`). The span is an error for the server's faults only (`_SERVER_ERROR_CODES`),
+    described by the code's name, never by a message."""
+    code = status_code_of(context, error)
     span.set_attribute("rpc.grpc.status_code", code.value[0])
     if code in _SERVER_ERROR_CODES:
         span.set_status(trace.Status(trace.StatusCode.ERROR, code.name))

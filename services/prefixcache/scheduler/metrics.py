@@ -12,14 +12,14 @@ docs/services.md lists each metric beside the vLLM metric it corresponds to.
 from __future__ import annotations
 
 import time
-from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from prefixcache.rpc.metrics_http import Histogram
 from prefixcache.scheduler.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 
 if TYPE_CHECKING:
@@ -38,36 +38,12 @@ INTER_TOKEN_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
 REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
 
-class Histogram:
-    """Bucket counts, sum and count of observations, by label values (no locking: one event loop)."""
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self._series: dict[tuple[str, ...], tuple[list[int], list[float]]] = {}
-
-    def observe(self, seconds: float, labels: tuple[str, ...] = ()) -> None:
-        counts, total = self._series.setdefault(labels, ([0] * (len(self.bounds) + 1), [0.0]))
-        counts[bisect_left(self.bounds, seconds)] += 1
-        total[0] += seconds
-
-    def family(self, name: str, documentation: str, label_names: list[str],
-               label_values: Callable[[tuple[str, ...]], list[str]]) -> HistogramMetricFamily:
-        family = HistogramMetricFamily(name, documentation, labels=label_names)
-        for labels, (counts, total) in sorted(self._series.items()):
-            cumulative, buckets = 0, []
-            for bound, count in zip((*map(str, self.bounds), "+Inf"), counts):
-                cumulative += count
-                buckets.append((bound, cumulative))
-            family.add_metric(label_values(labels), buckets, total[0])
-        return family
-
-
 class SchedulerMetrics(Collector):
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self._policy: SchedulingPolicy | None = None
         self._held: Callable[[], int] = lambda: 0
-        self._model_name = ""
+        self.model_name = ""
         # finish reason -> requests; every reason from the start, so a first error is an increase
         self._finished: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)
         self._generation_tokens = 0
@@ -89,7 +65,7 @@ class SchedulerMetrics(Collector):
         the requests waiting for a new worker, outside any policy; `model_name` labels every sample."""
         self._policy = policy
         self._held = held
-        self._model_name = model_name
+        self.model_name = model_name
 
     def request_added(self, request: EngineRequest) -> None:
         self._prompt_tokens += len(request.prompt_token_ids)
@@ -137,7 +113,7 @@ class SchedulerMetrics(Collector):
         return generate_latest(self.registry)
 
     def collect(self) -> Iterator[Metric]:
-        model = [self._model_name]
+        model = [self.model_name]
 
         def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
             family = CounterMetricFamily(f"{PREFIX}_{name}", documentation, labels=["model_name"])
@@ -197,7 +173,7 @@ class SchedulerMetrics(Collector):
                     self._policy.num_waiting + self._held())
 
     def _histograms(self, model: list[str]) -> Iterator[Metric]:
-        just_model: Callable[[tuple[str, ...]], list[str]] = lambda labels: [*model, *labels]  # noqa: E731
+        just_model: Callable[[tuple[str, ...]], list[str]] = lambda labels: [*model, *labels]
         yield self._first_token.family(
             f"{PREFIX}_time_to_first_token_seconds", "From the call's arrival to its first token, by whether the "
             "prefix cache served any of its prompt.", ["model_name", "prefix_cache_hit"], just_model)

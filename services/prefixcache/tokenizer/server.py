@@ -18,6 +18,7 @@ from prefixcache.arg_types import listen_port
 from prefixcache.model_store.store import default_model_dir, is_complete_model_dir
 from prefixcache.protos.tokenizer.v1 import tokenizer_pb2 as pb
 from prefixcache.protos.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
+from prefixcache.rpc.metrics_http import start_service_metrics
 from prefixcache.rpc.server import Servicer, configure_logging, run_server
 from prefixcache.tokenizer.text import ChatTemplateError, ChatTurn, IncrementalDetokenizer, TextTokenizer
 
@@ -91,6 +92,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM: keep serving new calls until none has been in flight for this long "
                              "(for a tokenizer with a single scheduler; 0, the default: refuse new calls at once, "
                              "so that a scheduler's next calls go to another replica)")
+    parser.add_argument("--metrics-port", type=listen_port, default=None,
+                        help="serve Prometheus metrics on this port (the chart uses 9092)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -106,7 +109,12 @@ def run(args: argparse.Namespace) -> int:
     except Exception as error:  # a missing or malformed file; `tokenizers` raises plain Exceptions
         log.error("cannot load the tokenizer from %s: %s", model_dir, error)
         return 1
+    try:  # labelled with the model directory's name: the tokenizer knows no weights
+        interceptors = start_service_metrics(args.metrics_port, args.host, lambda: model_dir.name)
+    except RuntimeError as error:
+        log.error("%s", error)
+        return 1
     return asyncio.run(
         run_server("prefixcache-tokenizer", f"{args.host}:{args.port}", [servicer(tokenizer)], grace_s=args.grace,
-                   drain_idle_s=args.drain_idle)
+                   drain_idle_s=args.drain_idle, interceptors=interceptors)
     )

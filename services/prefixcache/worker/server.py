@@ -19,6 +19,7 @@ from grpc import aio
 from prefixcache.arg_types import listen_port
 from prefixcache.protos.worker.v1 import worker_pb2 as pb
 from prefixcache.protos.worker.v1 import worker_pb2_grpc as pb_grpc
+from prefixcache.rpc.metrics_http import start_service_metrics
 from prefixcache.rpc.server import Servicer, configure_logging, run_server
 from prefixcache.step.codec import output_to_proto, step_from_proto
 from prefixcache.worker.compute_thread import ComputeThread
@@ -142,6 +143,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "draining beside the worker), then a running step's time to finish")
     parser.add_argument("--drain-idle", type=float, default=1.0,
                         help="on SIGTERM: stop once no step has arrived for this long (0: refuse new steps at once)")
+    parser.add_argument("--metrics-port", type=listen_port, default=None,
+                        help="serve Prometheus metrics on this port (the chart uses 9091)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -157,6 +160,12 @@ def run(args: argparse.Namespace) -> int:
         log.error("--kv-cache-memory: %s", error)
         return 2
     servicer = WorkerServicer()
+    try:  # before the model loads: a taken port fails the start at once
+        interceptors = start_service_metrics(args.metrics_port, args.host,
+                                             lambda: servicer.runner.model_id if servicer.runner else "")
+    except RuntimeError as error:
+        log.error("%s", error)
+        return 1
 
     async def load_model() -> None:
         from prefixcache.worker.kv_memory import kv_cache_budget_bytes
@@ -180,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
     registration = Servicer(SERVICE_NAME, lambda server: pb_grpc.add_WorkerServicer_to_server(servicer, server))
     return asyncio.run(
         run_server(
-            "prefixcache-worker", f"{args.host}:{args.port}", [registration], grace_s=args.grace, drain_idle_s=args.drain_idle, startup=load_model
+            "prefixcache-worker", f"{args.host}:{args.port}", [registration], grace_s=args.grace,
+            drain_idle_s=args.drain_idle, startup=load_model, interceptors=interceptors,
         )
     )

@@ -242,6 +242,43 @@ def test_metrics_expose_cache_and_queue_counters():
     run(body)
 
 
+def samples(engine) -> dict[tuple[str, frozenset], float]:
+    """(sample name, its labels but model_name) -> value; every sample is labelled with the model."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = {}
+    for family in text_string_to_metric_families(engine.metrics.exposition().decode()):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            assert labels.pop("model_name") == "sim-model", sample
+            found[sample.name, frozenset(labels.items())] = sample.value
+    return found
+
+
+def test_metrics_time_each_request_and_explain_its_misses():
+    async def body(engine, worker):
+        shared = list(range(50))
+        await collect(engine.add_request(request("a", shared, max_tokens=4)))
+        await collect(engine.add_request(request("b", shared, max_tokens=4)))
+        found = samples(engine)
+        first_token = {hit: found["prefixcache_time_to_first_token_seconds_count", frozenset({("prefix_cache_hit", hit)})]
+                       for hit in ("true", "false")}
+        assert first_token == {"true": 1, "false": 1}
+        assert found["prefixcache_inter_token_latency_seconds_count", frozenset()] == 2 * 3
+        for name in ("e2e_request_latency", "request_queue_time", "request_prefill_time"):
+            assert found[f"prefixcache_{name}_seconds_count", frozenset()] == 2, name
+            assert found[f"prefixcache_{name}_seconds_bucket", frozenset({("le", "+Inf")})] == 2, name
+        missed = {reason: found["prefixcache_prefix_cache_missed_tokens_total", frozenset({("reason", reason)})]
+                  for reason in ("cold", "evicted", "capped", "partial_tail")}
+        assert missed == {"cold": 48, "evicted": 0, "capped": 0, "partial_tail": 2 + 2}
+        assert found["prefixcache_prefix_cache_lookups_total", frozenset()] == 2
+        assert found["prefixcache_prefix_cache_ghost_hits_total", frozenset()] == 0
+        assert found["prefixcache_kv_cache_usage_perc", frozenset()] == 0.0
+        assert found["prefixcache_kv_cached_idle_blocks", frozenset()] == found["prefixcache_kv_cached_blocks", frozenset()]
+
+    run(body)
+
+
 def test_the_engine_core_imports_no_torch_and_no_grpc():
     import subprocess
     import sys

@@ -22,6 +22,11 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KvCache"].full_name
 class KvCacheServicer(pb_grpc.KvCacheServicer):
     def __init__(self, engine: EngineCore) -> None:
         self._engine = engine
+        self._closed = asyncio.Event()
+
+    def close(self) -> None:
+        """End every KV events stream (the server is stopping); new ones end at once."""
+        self._closed.set()
 
     async def SubscribeKvEvents(self, request: pb.SubscribeKvEventsRequest,
                                 context: aio.ServicerContext) -> AsyncIterator[pb.KvEventsMessage]:
@@ -33,8 +38,9 @@ class KvCacheServicer(pb_grpc.KvCacheServicer):
         cursor = max(request.from_seq, 1) if request.HasField("from_seq") else events.next_seq
         published = asyncio.Event()
         events.add_listener(published.set)
+        closing = asyncio.ensure_future(self._closed.wait())
         try:
-            while True:
+            while not self._closed.is_set():
                 if cursor < events.oldest_seq:  # asked for, or not read before, the buffer dropped them
                     self._engine.metrics.kv_events_dropped += events.oldest_seq - cursor
                     yield pb.KvEventsMessage(gap=pb.KvEventsGap(first_missed_seq=cursor, resume_seq=events.oldest_seq))
@@ -42,11 +48,14 @@ class KvCacheServicer(pb_grpc.KvCacheServicer):
                 batch = events.get(cursor)
                 if batch is None:
                     published.clear()
-                    await published.wait()
+                    waiting = asyncio.ensure_future(published.wait())
+                    await asyncio.wait((waiting, closing), return_when=asyncio.FIRST_COMPLETED)
+                    waiting.cancel()
                     continue
                 yield pb.KvEventsMessage(batch=batch_to_proto(batch))
                 cursor += 1
         finally:
+            closing.cancel()
             events.remove_listener(published.set)
 
     async def GetCachedBlocks(self, request: pb.GetCachedBlocksRequest, context: aio.ServicerContext) -> pb.CachedBlocks:

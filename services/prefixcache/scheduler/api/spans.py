@@ -120,12 +120,14 @@ def eviction_attributes(batch: EvictionBatch) -> dict[str, int | float | list[st
 def storer_links(batches: Iterable[EvictionBatch]) -> list[trace.Link]:
     """From an evicting request to the span of each request whose blocks it evicted (the listed ones,
     each once), with how many of its blocks went."""
-    evicted: dict[RequestRef, int] = {}
+    storers: dict[str, RequestRef] = {}
+    evicted: dict[str, int] = {}
     for batch in batches:
         for storer in batch.storers[:MAX_HASHES_PER_EVICTION_EVENT]:
-            evicted[storer] = evicted.get(storer, 0) + 1
-    links = (_link(storer, "evicted_blocks_of", **{"prefix_cache.evicted_blocks": count})
-             for storer, count in evicted.items())
+            storers.setdefault(storer.request_id, storer)
+            evicted[storer.request_id] = evicted.get(storer.request_id, 0) + 1
+    links = (_link(storers[request_id], "evicted_blocks_of", **{"prefix_cache.evicted_blocks": count})
+             for request_id, count in evicted.items())
     return [link for link in links if link is not None]
 
 

@@ -1,9 +1,11 @@
 """What the last lookups say about the cache: hit rate, why tokens missed, and what more memory buys.
 
 The what-if hit rates come from each lookup's stack distances (`stack_distance.py`): exact for an
-LRU cache of that size over the same releases. Blocks held by running requests cannot be evicted, so
-under concurrency the real cache keeps a little more than that model says; the model's own hit rate
-at 1x, beside the measured one, shows how close the two are.
+LRU cache of that size over the same releases. The real pool departs from that model in two ways: blocks
+held by running requests cannot be evicted (under concurrency it keeps a little more than the model
+says), and a prompt matched in full recomputes its last block into a copy that takes a block until it
+is evicted (a little less). The model's own hit rate at 1x, beside the measured one, shows how close
+the two are.
 """
 from __future__ import annotations
 
@@ -78,11 +80,11 @@ def _verdict(what_if: list[tuple[float, float]], evicted_share: float, num_block
         budget = f"{round(factor * num_blocks)} blocks"
         if bytes_per_token:
             budget += f", {_bytes(factor * num_blocks * block_size * bytes_per_token)}"
-        return (f"thrashing: raise the KV budget to {factor:g}x ({budget}): the hit rate would go from "
-                f"{today:.0%} to {rates[factor]:.0%}", factor)
+        verdict = f"thrashing: raise the KV budget to {factor:g}x ({budget}): the hit rate would go from "
+        return verdict + f"{today:.0%} to {rates[factor]:.0%}", factor
     if evicted_share >= EVICTION_HEAVY:
-        return (f"working set too large for any budget here: evictions cause {evicted_share:.0%} of the missed "
-                f"tokens, and even {WHAT_IF_FACTORS[-1]:g}x the KV memory would reach only {best:.0%}", None)
+        verdict = f"working set too large for any budget here: evictions cause {evicted_share:.0%} of the missed "
+        return verdict + f"tokens, and even {WHAT_IF_FACTORS[-1]:g}x the KV memory would reach only {best:.0%}", None
     return f"healthy: {WHAT_IF_FACTORS[-1]:g}x the KV memory would raise the hit rate by {best - today:.0%} at most", None
 
 

@@ -3,8 +3,9 @@
 A miss on an evicted block can then name its cause: the request whose allocation took the block
 (and that request's span context, so a trace can link to it), when that happened, and how long the
 block had lived, stored by which request. The history keeps at least the `capacity` most recently
-evicted hashes and at most twice as many (two generations, so that remembering a batch is one bulk
-dict update); older ones are forgotten and later misses on them read as "cold".
+evicted hashes and at most twice as many plus one allocation's (two generations, so that remembering
+an allocation's evictions is one bulk dict update); older ones are forgotten and later misses on them
+read as "cold".
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ Record = tuple[RequestRef, int, RequestRef, int]  # an EvictionRecord's fields, 
 
 
 class EvictionHistory:
-    """The last `capacity` to `2 * capacity` evicted hashes, each with its `EvictionRecord`."""
+    """The last `capacity` evicted hashes or more (see the module's docstring), each with its `EvictionRecord`."""
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:

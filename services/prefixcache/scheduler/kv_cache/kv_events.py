@@ -109,8 +109,8 @@ class KvEventLog:
     def publish(self) -> None:
         """Seal the pending events into the next batch (nothing happens when none is pending)."""
         if self._pending:
-            self._publish(self._pending)
-            self._pending = []
+            events, self._pending = self._pending, []
+            self._publish(events)
 
     # -- what subscribers read ------------------------------------------------------------------
 
