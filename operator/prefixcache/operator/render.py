@@ -6,6 +6,11 @@
              │
     Service <name>-tokenizer  :50053 ◄── Deployment <name>-tokenizer
     ConfigMap <name>-env      environment shared by every container (tracing)
+    ConfigMap <name>-dashboard  the Grafana dashboard, for Grafana's sidecar (label grafana_dashboard: "1")
+
+Every service serves Prometheus metrics (scheduler :9090, worker :9091, tokenizer :9092); each pod's
+scrape annotations name its first service's port, and every metrics port is a named container port
+(`metrics`, `worker-metrics`) for a PodMonitor or a scrape job that follows container ports.
 
 A scheduler owns the KV cache of exactly one worker (its block table is that worker's memory), so the two
 share a pod and talk over loopback; scaling adds whole scheduler+worker pairs, each with its own cache.
@@ -21,6 +26,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from prefixcache.operator.schema import GROUP, KIND, VERSION
@@ -31,6 +37,10 @@ ENGINE_SERVICE = "prefixcache.engine.v1.Engine"  # the Engine API's gRPC name, a
 TOKENIZER_PORT = 50053  # the services' own default ports
 WORKER_PORT = 50052
 METRICS_PORT = 9090  # the scheduler's Prometheus endpoint (prefix-cache counters)
+WORKER_METRICS_PORT = 9091
+TOKENIZER_METRICS_PORT = 9092
+DASHBOARD_PATH = Path(__file__).with_name("dashboard.json")  # the chart ships the same file (dashboards/)
+DASHBOARD_KEY = "prefixcache.json"
 WORKER_GRACE_SECONDS = 10  # a running step's time to finish once the worker gets SIGTERM
 # A tokenizer pod's termination grace, and its streams' share of it: a stopping tokenizer refuses
 # new calls at once (the scheduler's next ones go to another replica) while the detokenizing streams
@@ -86,6 +96,10 @@ class Owner:
         return f"{self.name}-env"
 
     @property
+    def dashboard(self) -> str:
+        return f"{self.name}-dashboard"
+
+    @property
     def engine_endpoint(self) -> str:
         return f"{self.engine_service}.{self.namespace}.svc:{ENGINE_PORT}"
 
@@ -115,6 +129,7 @@ def render(owner: Owner, spec: PrefixCacheSpec) -> list[dict[str, Any]]:
         _tokenizer_deployment(owner, spec, config_hash),
         _service(owner, "engine", owner.engine_service, ENGINE_PORT),
         _engine_deployment(owner, spec, config_hash),
+        _dashboard(owner),
     ]
 
 
@@ -142,6 +157,19 @@ def _config_map(owner: Owner, spec: PrefixCacheSpec) -> dict[str, Any]:
         data = {"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none", "OTEL_LOGS_EXPORTER": "none"}
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(owner, owner.config_map, "config"),
             "data": data}
+
+
+def _dashboard(owner: Owner) -> dict[str, Any]:
+    """The Grafana dashboard (hit rate, missed tokens by reason, evictions, KV usage, TTFT with and
+    without a hit), labelled for Grafana's sidecar to load."""
+    metadata = _metadata(owner, owner.dashboard, "dashboard")
+    metadata["labels"]["grafana_dashboard"] = "1"
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata,
+            "data": {DASHBOARD_KEY: DASHBOARD_PATH.read_text()}}
+
+
+def _scrape_annotations(port: int) -> dict[str, str]:
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
 
 
 def _service(owner: Owner, component: str, name: str, port: int) -> dict[str, Any]:
@@ -250,11 +278,15 @@ def _tokenizer_deployment(owner: Owner, spec: PrefixCacheSpec, config_hash: str)
     volumes, mounts = _model_volumes(spec)
     container = _container(owner, "tokenizer", spec, ["tokenizer", "--port", str(TOKENIZER_PORT),
                                                 "--grace", str(TOKENIZER_GRACE_SECONDS),
-                                                "--model-dir", _model_dir(spec)],
+                                                "--model-dir", _model_dir(spec),
+                                                "--metrics-port", str(TOKENIZER_METRICS_PORT)],
                            TOKENIZER_PORT, startup_seconds=120, resources=spec.tokenizer.resources)
     container["volumeMounts"] += mounts
+    container["ports"].append({"name": "metrics", "containerPort": TOKENIZER_METRICS_PORT, "protocol": "TCP"})
     pod = _pod_spec([container], volumes, TOKENIZER_POD_GRACE_SECONDS, spec.tokenizer.placement, spec.image_pull_secrets)
-    return _deployment(owner, owner.tokenizer_deployment, "tokenizer", spec.tokenizer.replicas, pod, config_hash)
+    deployment = _deployment(owner, owner.tokenizer_deployment, "tokenizer", spec.tokenizer.replicas, pod, config_hash)
+    deployment["spec"]["template"]["metadata"]["annotations"] |= _scrape_annotations(TOKENIZER_METRICS_PORT)
+    return deployment
 
 
 def _scheduler_args(owner: Owner, spec: PrefixCacheSpec) -> list[str]:
@@ -276,7 +308,7 @@ def scheduler_grace_seconds(spec: PrefixCacheSpec) -> int:
 
 def _worker_args(spec: PrefixCacheSpec) -> list[str]:
     args = ["worker", "--port", str(WORKER_PORT), "--grace", str(WORKER_GRACE_SECONDS), "--model-dir", _model_dir(spec),
-            "--kv-cache-memory", str(spec.kv_cache_memory_bytes)]
+            "--kv-cache-memory", str(spec.kv_cache_memory_bytes), "--metrics-port", str(WORKER_METRICS_PORT)]
     if spec.worker.gpus > 0:
         args += ["--device", "cuda"]
     if spec.worker.dtype != "auto":
@@ -308,6 +340,7 @@ def _engine_deployment(owner: Owner, spec: PrefixCacheSpec, config_hash: str) ->
             "name": spec.tenant_salts.secret_name, "key": spec.tenant_salts.key}}})
     worker["restartPolicy"] = "Always"  # a native sidecar: up before the scheduler, down after it
     scheduler["ports"].append({"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"})
+    worker["ports"].append({"name": "worker-metrics", "containerPort": WORKER_METRICS_PORT, "protocol": "TCP"})
     pod = _pod_spec([scheduler], volumes, spec.termination_grace_period_seconds, spec.worker.placement,
                     spec.image_pull_secrets)
     pod["initContainers"] = [worker]
@@ -318,6 +351,5 @@ def _engine_deployment(owner: Owner, spec: PrefixCacheSpec, config_hash: str) ->
     # The worker may take its 600 s startup before the scheduler starts and takes its 300 s: a rollout
     # must not be reported failed (the default deadline is 600 s) while a healthy pod still starts.
     deployment["spec"]["progressDeadlineSeconds"] = ENGINE_PROGRESS_DEADLINE_S
-    deployment["spec"]["template"]["metadata"]["annotations"] |= {
-        "prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT), "prometheus.io/path": "/metrics"}
+    deployment["spec"]["template"]["metadata"]["annotations"] |= _scrape_annotations(METRICS_PORT)
     return deployment
