@@ -100,6 +100,7 @@ class PlatformConfig:
     kv_cache_memory: str = "1GiB"
     scheduler_args: list[str] = field(default_factory=list)  # extra flags, e.g. ["--no-prefix-caching"]
     worker_args: list[str] = field(default_factory=list)
+    tokenizer_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # for every service, e.g. OTEL_* variables
     grace_s: float = 15.0  # the scheduler's to finish in-flight requests on SIGTERM
 
@@ -122,7 +123,7 @@ class LocalPlatform:
         draining = ["--drain-idle", str(DRAIN_IDLE_S), "--grace", str(config.draining_grace_s)]
         self.tokenizer = ServiceProcess(
             "tokenizer",
-            ["tokenizer", "--host", LOOPBACK, "--port", str(tokenizer_port), *model, *draining],
+            ["tokenizer", "--host", LOOPBACK, "--port", str(tokenizer_port), *model, *draining, *config.tokenizer_args],
             f"{LOOPBACK}:{tokenizer_port}",
             config.log_dir / "tokenizer.log",
             config.env,
