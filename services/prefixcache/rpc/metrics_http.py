@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import contextlib
 import time
-from bisect import bisect_left
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
 from grpc import aio
 from prometheus_client import GC_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from prefixcache.rpc.histogram import Histogram
 from prefixcache.rpc.interceptors import behavior_of, rebuild_handler, status_code_of, wrap_behavior
 
 PREFIX = "prefixcache"
@@ -63,32 +63,6 @@ def start_service_metrics(port: int | None, host: str, model_name: Callable[[], 
     interceptor = RpcMetrics(registry, model_name)
     serve_metrics(port, host, registry)
     return [interceptor]
-
-
-class Histogram:
-    """Bucket counts, sum and count of observations, by label values (no locking: one event loop)."""
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self._series: dict[tuple[str, ...], tuple[list[int], list[float]]] = {}
-
-    def observe(self, seconds: float, labels: tuple[str, ...] = ()) -> None:
-        counts, total = self._series.setdefault(labels, ([0] * (len(self.bounds) + 1), [0.0]))
-        counts[bisect_left(self.bounds, seconds)] += 1
-        total[0] += seconds
-
-    def family(self, name: str, documentation: str, label_names: list[str],
-               label_values: Callable[[tuple[str, ...]], list[str]]) -> HistogramMetricFamily:
-        """The histogram as Prometheus reads it; `label_values` turns a series' labels into the
-        values of `label_names` (adding constant labels)."""
-        family = HistogramMetricFamily(name, documentation, labels=label_names)
-        for labels, (counts, total) in sorted(self._series.items()):
-            cumulative, buckets = 0, []
-            for bound, count in zip((*map(str, self.bounds), "+Inf"), counts):
-                cumulative += count
-                buckets.append((bound, cumulative))
-            family.add_metric(label_values(labels), buckets, total[0])
-        return family
 
 
 class RpcMetrics(aio.ServerInterceptor, Collector):

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from prefixcache.rpc.metrics_http import Histogram
+from prefixcache.rpc.histogram import Histogram
 from prefixcache.scheduler.request import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ class SchedulerMetrics(Collector):
         self._generation_tokens = 0
         self._prompt_tokens = 0
         self._worker_losses = 0
-        self.kv_events_dropped = 0  # KV events batches a subscriber did not get (told so in-band)
+        self.kv_events_dropped = 0  # KV events batches a subscriber did not get (it was told so in-band)
         # Per request in flight: when it arrived, and when its last token was delivered.
         self._arrival_ns: dict[str, int] = {}
         self._last_token_ns: dict[str, int] = {}
@@ -98,6 +98,10 @@ class SchedulerMetrics(Collector):
     def request_finished(self, reason: str) -> None:
         """A request ended for `reason`, as its client was told."""
         self._finished[reason] += 1
+
+    def kv_events_missed(self, batches: int) -> None:
+        """A KV events subscriber was told it missed `batches` batches (they left the replay buffer)."""
+        self.kv_events_dropped += batches
 
     def worker_lost(self) -> None:
         self._worker_losses += 1

@@ -64,6 +64,12 @@ class RequestTimeline:
     last_decode_step_id: int | None = None
     finished_ns: int | None = None
 
+    @classmethod
+    def begun(cls, arrival_ns: int | None = None) -> RequestTimeline:
+        """Queued now; arrived at `arrival_ns` (the call's arrival), or now."""
+        now = time.time_ns()
+        return cls(arrival_ns or now, now)
+
     def admitted(self, lookup_ns: int) -> None:
         if self.admitted_ns is None:
             self.lookup_ns, self.admitted_ns = lookup_ns, time.time_ns()
@@ -127,11 +133,10 @@ class RequestState:
     sent_first_output: bool = False
     pending_evictions: list[EvictionBatch] = field(default_factory=list)
     origin: EngineRequest | None = None  # what was submitted, to submit again after a worker loss
-    timeline: RequestTimeline = field(default_factory=lambda: RequestTimeline(*[time.time_ns()] * 2))
+    timeline: RequestTimeline = field(default_factory=RequestTimeline.begun)
 
     @classmethod
     def from_engine_request(cls, request: EngineRequest) -> RequestState:
-        now = time.time_ns()
         return cls(
             origin=request,
             request_id=request.request_id,
@@ -142,7 +147,7 @@ class RequestState:
             ignore_eos=request.ignore_eos,
             kv=KVRequest(request.request_id, list(request.prompt_token_ids), request.extras,
                          trace_context=request.trace_context),
-            timeline=RequestTimeline(request.arrival_ns or now, now),
+            timeline=RequestTimeline.begun(request.arrival_ns),
         )
 
     @property

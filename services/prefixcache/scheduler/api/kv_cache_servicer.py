@@ -42,7 +42,7 @@ class KvCacheServicer(pb_grpc.KvCacheServicer):
         try:
             while not self._closed.is_set():
                 if cursor < events.oldest_seq:  # asked for, or not read before, the buffer dropped them
-                    self._engine.metrics.kv_events_dropped += events.oldest_seq - cursor
+                    self._engine.metrics.kv_events_missed(events.oldest_seq - cursor)
                     yield pb.KvEventsMessage(gap=pb.KvEventsGap(first_missed_seq=cursor, resume_seq=events.oldest_seq))
                     cursor = events.oldest_seq
                 batch = events.get(cursor)

@@ -74,18 +74,20 @@ def _verdict(what_if: list[tuple[float, float]], evicted_share: float, num_block
     if not any_lookups:
         return "healthy: no lookups to judge yet", None
     rates = dict(what_if)
-    today, best = rates[1.0], rates[WHAT_IF_FACTORS[-1]]
+    largest = WHAT_IF_FACTORS[-1]
+    today, best = rates[1.0], rates[largest]
     if best - today >= WORTHWHILE_GAIN:
         factor = min(f for f, rate in what_if if f > 1.0 and rate >= best - NEAR_BEST)
         budget = f"{round(factor * num_blocks)} blocks"
         if bytes_per_token:
             budget += f", {_bytes(factor * num_blocks * block_size * bytes_per_token)}"
-        verdict = f"thrashing: raise the KV budget to {factor:g}x ({budget}): the hit rate would go from "
-        return verdict + f"{today:.0%} to {rates[factor]:.0%}", factor
+        gain = f"the hit rate would go from {today:.0%} to {rates[factor]:.0%}"
+        return f"thrashing: raise the KV budget to {factor:g}x ({budget}): {gain}", factor
     if evicted_share >= EVICTION_HEAVY:
-        verdict = f"working set too large for any budget here: evictions cause {evicted_share:.0%} of the missed "
-        return verdict + f"tokens, and even {WHAT_IF_FACTORS[-1]:g}x the KV memory would reach only {best:.0%}", None
-    return f"healthy: {WHAT_IF_FACTORS[-1]:g}x the KV memory would raise the hit rate by {best - today:.0%} at most", None
+        why = f"evictions cause {evicted_share:.0%} of the missed tokens"
+        return (f"working set too large for any budget here: {why}, and even {largest:g}x the KV memory would "
+                f"reach only {best:.0%}"), None
+    return f"healthy: {largest:g}x the KV memory would raise the hit rate by {best - today:.0%} at most", None
 
 
 def _bytes(count: float) -> str:
