@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from prefixcache.block_identity.hashing import BlockHasher
-from prefixcache.scheduler.kv_cache import KVCacheManager, KVRequest, RequestRef
+from prefixcache.scheduler.kv_cache import EvictionBatch, KVCacheManager, KVRequest, RequestRef
 from prefixcache.scheduler.kv_cache.eviction_history import EvictionHistory
 
 
@@ -59,13 +59,18 @@ def test_a_reset_forgets_the_evictions_and_later_misses_are_cold() -> None:
 def test_the_history_keeps_at_least_its_capacity_and_at_most_twice_that_and_a_batch() -> None:
     history = EvictionHistory(100)
     evictor = RequestRef("x")
-    for batch in range(50):
-        hashes = [f"{batch}-{i}".encode() for i in range(7)]
-        history.add(hashes, evictor, batch, [evictor] * 7, [0] * 7)
-        assert min(7 * (batch + 1), 100) <= len(history) < 200 + 7
-    assert history.get(b"49-6").evicted_at_ns == 49 and b"49-6" in history
-    assert history.get(b"0-0") is None
-    history.add([b"49-6"], RequestRef("y"), 50, [evictor], [1])  # evicted again: the newest record wins
+
+    def batch(evicting: RequestRef, at: int, hashes: list[bytes]) -> EvictionBatch:
+        return EvictionBatch(evicting, "allocation", list(range(len(hashes))), hashes,
+                             [RequestRef(f"stored {h.decode()}") for h in hashes], [at - 1] * len(hashes), at)
+
+    for index in range(50):
+        history.add(batch(evictor, index, [f"{index}-{i}".encode() for i in range(7)]))
+        assert min(7 * (index + 1), 100) <= len(history) < 200 + 7
+    record = history.get(b"49-6")
+    assert (record.evicted_at_ns, record.stored_by, record.age_ns) == (49, RequestRef("stored 49-6"), 1)
+    assert b"49-6" in history and history.get(b"0-0") is None
+    history.add(batch(RequestRef("y"), 50, [b"49-6"]))  # evicted again: the newest record wins
     assert history.get(b"49-6").evicted_by == RequestRef("y")
 
 

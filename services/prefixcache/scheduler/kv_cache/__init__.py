@@ -4,9 +4,9 @@ it: the eviction history, the KV events stream, LRU stack distances and the log 
 Pure Python with no torch, triton or grpc imports (enforced by import-linter), so the scheduler
 image stays small and this logic is testable anywhere.
 """
-from prefixcache.scheduler.kv_cache.block_pool import BlockPool, EvictionBatch, EvictionEvent
+from prefixcache.scheduler.kv_cache.block_pool import BlockPool
 from prefixcache.scheduler.kv_cache.diagnosis import Diagnosis, diagnose
-from prefixcache.scheduler.kv_cache.eviction_history import EvictionRecord, RequestRef
+from prefixcache.scheduler.kv_cache.eviction_history import EvictionBatch, EvictionEvent, EvictionRecord, RequestRef
 from prefixcache.scheduler.kv_cache.free_queue import FreeBlockQueue
 from prefixcache.scheduler.kv_cache.kv_events import BlocksRemoved, BlocksStored, CacheCleared, KvEventBatch, KvEventLog
 from prefixcache.scheduler.kv_cache.lookup_log import WHAT_IF_FACTORS, LookupLog, LookupRecord

@@ -3,68 +3,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from collections.abc import Sequence
+from typing import Literal
 
-from prefixcache.scheduler.kv_cache.eviction_history import EvictionHistory, EvictionRecord, RequestRef
+from prefixcache.scheduler.kv_cache.eviction_history import EvictionBatch, EvictionHistory, EvictionRecord, RequestRef
 from prefixcache.scheduler.kv_cache.free_queue import FreeBlockQueue
 from prefixcache.scheduler.kv_cache.kv_events import KvEventLog
-
-
-class EvictionEvent(NamedTuple):
-    """A cached block lost its hash: its KV can no longer be reused."""
-
-    block_hash: bytes
-    block_id: int
-    evicting_request_id: str | None  # whose allocation took the block; None for a reset
-    storing_request_id: str  # the request whose tokens filled the block
-    reason: Literal["allocation", "reset"] = "allocation"
-
-
-@dataclass(frozen=True, slots=True)
-class EvictionBatch:
-    """The blocks one allocation (or a reset) evicted, in eviction order.
-
-    Kept as parallel lists and turned into `EvictionEvent`s only when iterated: an allocation at a
-    0% hit rate can evict thousands of blocks, and most batches are only counted (an event object
-    per block cost about a fifth of a 32k-token request's cache work).
-    """
-
-    evicting: RequestRef | None  # whose allocation took the blocks; None for a reset
-    reason: Literal["allocation", "reset"]
-    block_ids: list[int]
-    block_hashes: list[bytes]
-    storers: list[RequestRef]  # per block, the request whose tokens filled it
-    stored_at_ns: list[int]  # per block, when it was filled (wall clock, time.time_ns)
-    evicted_at_ns: int  # wall clock when the blocks lost their hashes
-
-    def __len__(self) -> int:
-        return len(self.block_ids)
-
-    def __iter__(self) -> Iterator[EvictionEvent]:
-        evicting_request_id = self.evicting_request_id
-        for block_hash, block_id, storer in zip(self.block_hashes, self.block_ids, self.storers):
-            yield EvictionEvent(block_hash, block_id, evicting_request_id, storer.request_id, self.reason)
-
-    @property
-    def evicting_request_id(self) -> str | None:
-        return None if self.evicting is None else self.evicting.request_id
-
-    @property
-    def storing_request_ids(self) -> list[str]:
-        return [storer.request_id for storer in self.storers]
-
-    @property
-    def oldest_age_ns(self) -> int:
-        """How long the longest-lived of these blocks had held its hash (0 for an empty batch)."""
-        return self.evicted_at_ns - min(self.stored_at_ns, default=self.evicted_at_ns)
-
-    def last(self, count: int) -> EvictionBatch:
-        """The batch's last `count` evictions."""
-        start = len(self.block_ids) - count
-        return EvictionBatch(self.evicting, self.reason, self.block_ids[start:], self.block_hashes[start:],
-                             self.storers[start:], self.stored_at_ns[start:], self.evicted_at_ns)
 
 
 class BlockPool:
@@ -149,7 +93,7 @@ class BlockPool:
         batch = EvictionBatch(requester, reason, block_ids, hashes, list(map(self.stored_by.__getitem__, block_ids)),
                               list(map(self.stored_at_ns.__getitem__, block_ids)), time.time_ns())
         if requester is not None:  # a reset is no eviction pressure: what it drops misses as "cold"
-            self.history.add(hashes, requester, batch.evicted_at_ns, batch.storers, batch.stored_at_ns)
+            self.history.add(batch)
             self.num_evictions += len(block_ids)
             if self.events is not None:
                 self.events.removed(lost)

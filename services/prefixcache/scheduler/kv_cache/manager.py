@@ -23,8 +23,8 @@ from typing import Literal
 
 from prefixcache.block_identity.hash_memo import BlockHashMemo
 from prefixcache.block_identity.hashing import NO_EXTRAS, BlockExtras, BlockHash, BlockHasher
-from prefixcache.scheduler.kv_cache.block_pool import BlockPool, EvictionBatch
-from prefixcache.scheduler.kv_cache.eviction_history import EvictionRecord, RequestRef
+from prefixcache.scheduler.kv_cache.block_pool import BlockPool
+from prefixcache.scheduler.kv_cache.eviction_history import EvictionBatch, EvictionRecord, RequestRef
 from prefixcache.scheduler.kv_cache.kv_events import KvEventLog
 from prefixcache.scheduler.kv_cache.lookup_log import WHAT_IF_FACTORS, LookupRecord
 from prefixcache.scheduler.kv_cache.stack_distance import StackDistances

@@ -12,18 +12,21 @@ hashes, so it holds at most `depth` plus one batch. A hash no longer on it count
 Releases come in batches (one request's blocks at a time), so the stack is a sequence of release
 batches with a Fenwick tree over their live counts: a release costs O(1) per block, in bulk, and
 O(log batches) per batch it moves hashes out of; a lookup costs O(log batches) plus one pass over
-each batch it finds hashes in. Memory stays O(depth): batches are renumbered, and their emptied
+each batch it finds hashes in. Memory stays O(depth): batches are renumbered, and their stale
 entries dropped, once those entries outnumber the live hashes.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
-from itertools import accumulate
+from functools import partial
+from itertools import accumulate, compress, repeat
+from operator import eq, is_not, rshift
 
 _INDEX_BITS = 32
 _INDEX_MASK = (1 << _INDEX_BITS) - 1
 _MIN_SLOTS = 1024
+_is_position = partial(is_not, None)  # of a hash on the stack (0 is one), in C
 
 
 class _Fenwick:
@@ -54,7 +57,12 @@ class _Fenwick:
 
 
 class StackDistances:
-    """LRU stack distances over release batches, at most `depth` hashes deep."""
+    """LRU stack distances over release batches, at least `depth` hashes deep.
+
+    A batch keeps every hash it released; an entry is live while `_where` still points at it (a later
+    release of the same hash moves it to a newer batch). So releasing, trimming and renumbering are bulk
+    dict and list operations, and a lookup works out which entries of a batch are live when it needs to.
+    """
 
     def __init__(self, depth: int) -> None:
         if depth < 1:
@@ -64,12 +72,12 @@ class StackDistances:
 
     def clear(self) -> None:
         self._where: dict[bytes, int] = {}  # hash -> slot << 32 | index in that slot's batch
-        self._batches: dict[int, list[bytes | None]] = {}  # slot -> hashes released, least recent first
-        self._live: dict[int, int] = {}  # slot -> hashes of its batch still there
+        self._batches: dict[int, list[bytes]] = {}  # slot -> hashes released, least recent first
+        self._live: dict[int, int] = {}  # slot -> entries of its batch still live
         self._tree = _Fenwick((), _MIN_SLOTS)
         self._next_slot = 0
-        self._size = 0  # live hashes
-        self._holes = 0  # emptied entries in the batches
+        self._size = 0  # live entries
+        self._stale = 0  # entries no longer live, in the batches kept
 
     def __len__(self) -> int:
         return self._size
@@ -78,22 +86,16 @@ class StackDistances:
         """`block_hashes` (distinct) were released, in this order: the last one is now the most recent."""
         if not block_hashes:
             return
-        if self._next_slot >= self._tree.size or self._holes > max(self._size, _MIN_SLOTS):
+        if self._next_slot >= self._tree.size or self._stale > max(self._size, _MIN_SLOTS):
             self._renumber()
         slot = self._next_slot
         self._next_slot += 1
-        where, batches = self._where, self._batches
-        batch: list[bytes | None] = list(block_hashes)
-        olds = list(map(where.get, batch))
+        batch = list(block_hashes)
+        where = self._where
+        moved = Counter(map(rshift, filter(_is_position, map(where.get, batch)), repeat(_INDEX_BITS)))  # by old slot
         base = slot << _INDEX_BITS
         where.update(zip(batch, range(base, base + len(batch))))
-        moved: dict[int, int] = {}
-        for old in olds:
-            if old is not None:
-                old_slot = old >> _INDEX_BITS
-                batches[old_slot][old & _INDEX_MASK] = None
-                moved[old_slot] = moved.get(old_slot, 0) + 1
-        batches[slot] = batch
+        self._batches[slot] = batch
         self._live[slot] = len(batch)
         self._size += len(batch)
         self._tree.add(slot, len(batch))
@@ -107,12 +109,13 @@ class StackDistances:
 
         An LRU cache of C blocks would have served exactly the first `bisect_left(reach, C)` hashes.
         """
-        where, batches, tree = self._where, self._batches, self._tree
+        where, tree = self._where, self._tree
         reaches: list[int] = []
         farthest = -1
         current_slot = -1
         newer = 0
         live_from: list[int] = []
+        last = 0
         for block_hash in block_hashes:
             position = where.get(block_hash)
             if position is None:
@@ -121,10 +124,9 @@ class StackDistances:
             if slot != current_slot:
                 current_slot = slot
                 newer = self._size - tree.prefix(slot)
-                batch = batches[slot]
-                # live_from[k]: live entries among the batch's last k + 1
-                live_from = list(accumulate(map(bool, reversed(batch))))
-                last = len(batch) - 1
+                live = self._live_entries(slot)
+                live_from = list(accumulate(reversed(live)))  # [k]: live entries among the batch's last k + 1
+                last = len(live) - 1
             distance = newer + live_from[last - index] - 1
             farthest = max(farthest, distance)
             reaches.append(farthest)
@@ -132,37 +134,42 @@ class StackDistances:
                 break
         return reaches
 
+    def _live_entries(self, slot: int) -> list[bool]:
+        """Per entry of the batch in `slot`, whether it is live."""
+        batch, base = self._batches[slot], slot << _INDEX_BITS
+        return list(map(eq, map(self._where.get, batch), range(base, base + len(batch))))
+
     def _remove_from(self, slot: int, count: int) -> None:
+        """`count` entries of the batch in `slot` are no longer live."""
         self._tree.add(slot, -count)
         self._size -= count
-        self._holes += count
+        self._stale += count
         live = self._live[slot] - count
         if live:
             self._live[slot] = live
-        else:  # an emptied batch goes, and its holes with it
+        else:  # an emptied batch goes, and its stale entries with it
             del self._live[slot]
-            self._holes -= len(self._batches.pop(slot))
+            self._stale -= len(self._batches.pop(slot))
 
     def _trim(self) -> None:
         """Forget the oldest release batches while the newer ones hold `depth` hashes or more."""
         live = self._live
         while self._size - live[oldest := next(iter(live))] >= self.depth:
-            deque(map(self._where.__delitem__, filter(None, self._batches[oldest])), maxlen=0)
+            forgotten = compress(self._batches[oldest], self._live_entries(oldest))
+            deque(map(self._where.__delitem__, forgotten), maxlen=0)
             self._remove_from(oldest, live[oldest])
 
     def _renumber(self) -> None:
-        """Give the live batches slots 0, 1, ... without their emptied entries, and a tree with room."""
+        """Give the live batches slots 0, 1, ... without their stale entries, and a tree with room."""
+        kept = [list(compress(self._batches[slot], self._live_entries(slot))) for slot in self._live]
         where = self._where
-        batches: dict[int, list[bytes | None]] = {}
-        live: dict[int, int] = {}
-        for slot, old in enumerate(self._batches.values()):
-            batch: list[bytes | None] = [block_hash for block_hash in old if block_hash is not None]
+        for slot, batch in enumerate(kept):
             base = slot << _INDEX_BITS
-            for index, block_hash in enumerate(batch):
-                where[block_hash] = base | index
-            batches[slot] = batch
-            live[slot] = len(batch)
-        self._batches, self._live = batches, live
-        self._next_slot = len(batches)
-        self._tree = _Fenwick(list(live.values()), self._next_slot + max(self._next_slot, self._size // 16, _MIN_SLOTS))
-        self._holes = 0
+            where.update(zip(batch, range(base, base + len(batch))))
+        self._batches = dict(enumerate(kept))
+        self._live = {slot: len(batch) for slot, batch in enumerate(kept)}
+        self._next_slot = len(kept)
+        self._tree = _Fenwick(list(self._live.values()),
+                              self._next_slot + max(self._next_slot, self._size // 16, _MIN_SLOTS))
+        self._stale = 0
+
