@@ -7,6 +7,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from prefixcache.client import EngineClient
 from prefixcache.launcher import LocalPlatform, PlatformConfig, free_port
 
@@ -29,7 +31,8 @@ def run(coroutine):
     return _loop.run_until_complete(coroutine)
 
 
-def start_platform(log_dir: Path, extra_scheduler_args: list[str] = ()) -> LocalPlatform:
+def start_platform(log_dir: Path, extra_scheduler_args: list[str] = (), kv_cache_memory: str = KV_CACHE_MEMORY,
+                   worker_args: list[str] = (), tokenizer_args: list[str] = ()) -> LocalPlatform:
     from prefixcache.model_store.store import ensure_default_model
 
     platform = LocalPlatform(
@@ -38,8 +41,10 @@ def start_platform(log_dir: Path, extra_scheduler_args: list[str] = ()) -> Local
             log_dir=log_dir,
             engine_port=free_port(),
             engine_host="127.0.0.1",
-            kv_cache_memory=KV_CACHE_MEMORY,
+            kv_cache_memory=kv_cache_memory,
             scheduler_args=[*SCHEDULER_ARGS, "--metrics-port", str(free_port()), *extra_scheduler_args],
+            worker_args=list(worker_args),
+            tokenizer_args=list(tokenizer_args),
             env=TRACING_ENV,
             grace_s=GRACE_S,
         )
@@ -69,13 +74,23 @@ def restart_worker(platform: LocalPlatform) -> None:
     platform.worker.start()
 
 
-def scrape_metrics(platform: LocalPlatform) -> dict[str, float]:
-    """The scheduler's Prometheus samples, `name{labels}` -> value."""
-    args = platform.config.scheduler_args
+def scrape_metrics(platform: LocalPlatform, service: str = "scheduler") -> dict[str, float]:
+    """A service's Prometheus samples, `name{labels}` -> value, without the `model_name` label every
+    sample carries (checked to be set, once the service knows its model)."""
+    args = {"scheduler": platform.config.scheduler_args, "worker": platform.config.worker_args,
+            "tokenizer": platform.config.tokenizer_args}[service]
     url = f"http://127.0.0.1:{args[args.index('--metrics-port') + 1]}/metrics"
     with urllib.request.urlopen(url, timeout=10) as reply:
-        lines = reply.read().decode().splitlines()
-    return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in lines if not line.startswith("#"))}
+        text = reply.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            if "model_name" in labels:
+                assert labels.pop("model_name"), sample
+            shown = ",".join(f'{key}="{value}"' for key, value in sorted(labels.items()))
+            samples[f"{sample.name}{{{shown}}}" if shown else sample.name] = sample.value
+    return samples
 
 
 async def wait_idle(target: str, timeout_s: float = 30.0):

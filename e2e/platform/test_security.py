@@ -256,7 +256,7 @@ def test_logs_traces_and_metrics_hold_no_key_or_salt(secure: Secure) -> None:
 
 
 def _labels(scheduler_log: str) -> Iterator[str]:
-    marker = '"prefixcache.tenant.label": "'
+    marker = '"prefix_cache.tenant": "'
     start = scheduler_log.find(marker)
     while start >= 0:
         start += len(marker)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -12,6 +11,7 @@ from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 from platform_harness import run
 from platform_prompts import shared_prefix
+from span_logs import eventually, is_request_span, spans_in, spans_of_trace
 
 from prefixcache.client import EngineClient, build_request
 from prefixcache.launcher import LocalPlatform
@@ -22,37 +22,6 @@ TRACE_ID = 0x5EED0000000000000000000000C0FFEE
 CALLER_SPAN_ID = 0x00000000DEADBEEF
 SECRET_PROMPT = "Zanzibar quokka parliament, please summarise."
 SECRET_SALT = "salt-that-must-never-be-logged-4f1c"
-
-
-def spans_in(log: Path) -> list[dict]:
-    """The JSON span objects the console exporter has finished writing into a service's log.
-
-    The service keeps exporting while a test reads, so the last object may be cut short: it is left
-    for the next read."""
-    text, decoder, spans = log.read_text(errors="replace"), json.JSONDecoder(), []
-    start = text.find('{\n    "name"')
-    while start >= 0:
-        try:
-            span, end = decoder.raw_decode(text, start)
-        except json.JSONDecodeError:
-            if text.find('{\n    "name"', start + 1) >= 0:
-                raise  # a broken span with complete ones after it is a real defect
-            break
-        spans.append(span)
-        start = text.find('{\n    "name"', end)
-    return spans
-
-
-def eventually(condition, failure: str, timeout_s: float = 15.0) -> None:
-    """Poll `condition` until it holds: each service exports its spans on its own schedule."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, failure
-        time.sleep(0.2)
-
-
-def spans_of_trace(log: Path, trace_id: int) -> list[dict]:
-    return [s for s in spans_in(log) if s["context"]["trace_id"] == f"0x{trace_id:032x}"]
 
 
 def test_trace_context_crosses_all_services(platform: LocalPlatform, target: str) -> None:
@@ -66,14 +35,15 @@ def test_trace_context_crosses_all_services(platform: LocalPlatform, target: str
 
     completion = run(main())
     logs = {service.name: service.log_path for service in platform.services}
-    eventually(lambda: any(s["name"] == "generate" for s in spans_of_trace(logs["scheduler"], TRACE_ID)),
+    eventually(lambda: any(is_request_span(s) for s in spans_of_trace(logs["scheduler"], TRACE_ID)),
                "the scheduler exported no request span")
 
     scheduler_spans = spans_of_trace(logs["scheduler"], TRACE_ID)
     server_span = next(s for s in scheduler_spans if s["name"] == "prefixcache.engine.v1.Engine/Generate")
     assert server_span["parent_id"] == f"0x{CALLER_SPAN_ID:016x}"
     assert server_span["attributes"]["rpc.grpc.status_code"] == 0
-    request_span = next(s for s in scheduler_spans if s["name"] == "generate")
+    request_span = next(s for s in scheduler_spans if is_request_span(s))
+    assert request_span["name"] == f"text_completion {request_span['attributes']['gen_ai.request.model']}"
     attributes = request_span["attributes"]
     assert attributes["gen_ai.usage.input_tokens"] == completion.usage.prompt_tokens
     assert attributes["gen_ai.usage.output_tokens"] == completion.usage.completion_tokens == 4
@@ -123,9 +93,9 @@ def test_a_cache_hit_is_on_the_request_span(platform: LocalPlatform, target: str
     completion = run(main())
     assert completion.usage.cached_tokens == 20 * 16
     log = platform.scheduler.log_path
-    eventually(lambda: any(s["name"] == "generate" for s in spans_of_trace(log, trace_id)),
+    eventually(lambda: any(is_request_span(s) for s in spans_of_trace(log, trace_id)),
                "the scheduler exported no request span")
-    attributes = next(s for s in spans_of_trace(log, trace_id) if s["name"] == "generate")["attributes"]
+    attributes = next(s for s in spans_of_trace(log, trace_id) if is_request_span(s))["attributes"]
     assert attributes["gen_ai.usage.cache_read.input_tokens"] == 20 * 16
     assert attributes["prefix_cache.blocks_queried"] == completion.cache_account.queried_blocks == 20
     assert attributes["prefix_cache.blocks_matched"] == completion.cache_account.hit_blocks == 20
@@ -154,7 +124,7 @@ def test_evictions_are_span_events_naming_block_hashes_and_the_requests_that_sto
         return [
             event
             for span in spans_in(platform.scheduler.log_path)
-            if span["name"] == "generate" and span["attributes"]["gen_ai.request.id"] in request_ids
+            if is_request_span(span) and span["attributes"]["gen_ai.request.id"] in request_ids
             for event in span["events"]
             if event["name"] == "prefix_cache.eviction"
         ]
@@ -188,9 +158,9 @@ def test_a_cancelled_request_span_reports_what_it_delivered(platform: LocalPlatf
 
     delivered = run(main())
     log = platform.scheduler.log_path
-    eventually(lambda: any(s["name"] == "generate" for s in spans_of_trace(log, trace_id)),
+    eventually(lambda: any(is_request_span(s) for s in spans_of_trace(log, trace_id)),
                "the scheduler exported no span for the cancelled request")
-    attributes = next(s for s in spans_of_trace(log, trace_id) if s["name"] == "generate")["attributes"]
+    attributes = next(s for s in spans_of_trace(log, trace_id) if is_request_span(s))["attributes"]
     assert attributes["gen_ai.response.finish_reasons"] == ["abort"]
     # At least what the client read; the server may have sent a few more before it saw the cancel.
     assert delivered <= attributes["gen_ai.usage.output_tokens"] < 200
@@ -211,9 +181,9 @@ def test_a_request_cancelled_before_its_first_token_still_reports_its_cache_look
 
     run(main())
     log = platform.scheduler.log_path
-    eventually(lambda: any(s["name"] == "generate" for s in spans_of_trace(log, trace_id)),
+    eventually(lambda: any(is_request_span(s) for s in spans_of_trace(log, trace_id)),
                "the scheduler exported no span for the cancelled request")
-    attributes = next(s for s in spans_of_trace(log, trace_id) if s["name"] == "generate")["attributes"]
+    attributes = next(s for s in spans_of_trace(log, trace_id) if is_request_span(s))["attributes"]
     assert attributes["gen_ai.response.finish_reasons"] == ["abort"]
     assert attributes["gen_ai.usage.output_tokens"] == 0
     assert attributes["prefix_cache.miss_reason"] == "cold"
@@ -245,10 +215,10 @@ def test_a_refused_request_span_names_the_failure_without_quoting_the_request(pl
 
     run(main())
     logs = [service.log_path for service in platform.services]
-    eventually(lambda: any(s["name"] == "generate" for s in spans_of_trace(platform.scheduler.log_path, trace_id)),
+    eventually(lambda: any(is_request_span(s) for s in spans_of_trace(platform.scheduler.log_path, trace_id)),
                "the scheduler exported no span for the refused request")
     spans = [span for log in logs for span in spans_of_trace(log, trace_id)]
-    generate = next(s for s in spans if s["name"] == "generate")
+    generate = next(s for s in spans if is_request_span(s))
     assert generate["status"]["status_code"] == "ERROR"
     tokenize = next(s for s in spans if s["name"] == "prefixcache.tokenizer.v1.Tokenizer/Tokenize")
     assert tokenize["attributes"]["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from prefixcache.protos.common.v1 import chat_pb2, logprobs_pb2
 from prefixcache.protos.engine.v1 import engine_pb2 as pb
 from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
+from prefixcache.protos.engine.v1 import kv_cache_pb2 as kv_pb
+from prefixcache.protos.engine.v1 import kv_cache_pb2_grpc as kv_pb_grpc
 from prefixcache.rpc.client import open_channel
 from prefixcache.rpc.tls import ChannelTls
 
@@ -143,6 +145,7 @@ class EngineClient:
         self._channel = open_channel(target, tls)
         self._stub = pb_grpc.EngineStub(self._channel)
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key is not None else None
+        self._kv_cache = kv_pb_grpc.KvCacheStub(self._channel)
 
     def __repr__(self) -> str:  # never the key
         return f"EngineClient({self.target!r})"
@@ -175,3 +178,16 @@ class EngineClient:
 
     async def describe(self) -> pb.EngineDescription:
         return await self._stub.Describe(pb.DescribeRequest(), timeout=30, metadata=self._metadata)
+
+    def kv_events(self, from_seq: int | None = None) -> AsyncIterator[kv_pb.KvEventsMessage]:
+        """The KV events stream, from batch `from_seq` (None: the next one published) on, until cancelled."""
+        request = kv_pb.SubscribeKvEventsRequest() if from_seq is None else kv_pb.SubscribeKvEventsRequest(from_seq=from_seq)
+        return self._kv_cache.SubscribeKvEvents(request, metadata=self._metadata)
+
+    async def cached_blocks(self) -> kv_pb.CachedBlocks:
+        return await self._kv_cache.GetCachedBlocks(kv_pb.GetCachedBlocksRequest(), timeout=30, metadata=self._metadata)
+
+    async def diagnose(self, window: int = 0) -> kv_pb.CacheDiagnosis:
+        """The cache's diagnosis over the newest `window` first lookups (0: every one the scheduler keeps)."""
+        return await self._kv_cache.DiagnoseCache(kv_pb.DiagnoseCacheRequest(window=window), timeout=30,
+                                                  metadata=self._metadata)

@@ -102,6 +102,7 @@ class PlatformConfig:
     kv_cache_memory: str = "1GiB"
     scheduler_args: list[str] = field(default_factory=list)  # extra flags, e.g. ["--no-prefix-caching"]
     worker_args: list[str] = field(default_factory=list)
+    tokenizer_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # for every service, e.g. OTEL_* variables
     grace_s: float = 15.0  # the scheduler's to finish in-flight requests on SIGTERM
     tokenizer_args: list[str] = field(default_factory=list)

@@ -248,6 +248,11 @@ def test_chart_crd_is_the_operator_crd() -> None:
     assert chart_copy.read_bytes() == (REPO / "operator" / "prefixcache" / "operator" / "crd.yaml").read_bytes()
 
 
+def test_chart_dashboard_is_the_operator_dashboard() -> None:
+    chart_copy = CHART / "dashboards" / "prefixcache.json"
+    assert chart_copy.read_bytes() == (REPO / "operator" / "prefixcache" / "operator" / "dashboard.json").read_bytes()
+
+
 def test_two_releases_of_one_name_in_two_namespaces_share_no_cluster_scoped_object(chart: Any) -> None:
     def cluster_scoped(namespace: str) -> set[tuple[str, str]]:
         objects = rendered(chart, {"operator": {"enabled": True}}, namespace=namespace)

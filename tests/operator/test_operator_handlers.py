@@ -31,7 +31,7 @@ def api(emulated_cluster: EmulatedCluster) -> client.ApiClient:
     return config.new_client_from_config()
 
 
-def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 15.0) -> Any:
+def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if value := predicate():

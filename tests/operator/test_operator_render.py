@@ -69,7 +69,8 @@ def test_strict_validation_catches_a_misspelt_field() -> None:
 
 
 def test_the_stack_and_its_ownership(rendered: list[dict[str, Any]]) -> None:
-    assert sorted(by_name(rendered)) == [("ConfigMap", "chat-env"), ("Deployment", "chat-engine"),
+    assert sorted(by_name(rendered)) == [("ConfigMap", "chat-dashboard"), ("ConfigMap", "chat-env"),
+                                         ("Deployment", "chat-engine"),
                                          ("Deployment", "chat-tokenizer"), ("NetworkPolicy", "chat-engine"),
                                          ("NetworkPolicy", "chat-tokenizer"), ("Service", "chat"),
                                          ("Service", "chat-tokenizer")]
@@ -103,11 +104,12 @@ def test_spec_becomes_exact_command_lines() -> None:
     assert engine["worker"]["args"] == [
         "worker", "--host", "127.0.0.1", "--port", "50052", "--health-port", "50054", "--grace", "10",
         "--model-dir", "/models/hf/SmolLM2-135M-Instruct",
-        "--kv-cache-memory", str(6 * 2**30), "--device", "cuda", "--dtype", "bfloat16",
+        "--kv-cache-memory", str(6 * 2**30), "--metrics-port", "9091", "--metrics-host", "0.0.0.0",
+        "--device", "cuda", "--dtype", "bfloat16",
         "--attention-backend", "triton"]
     tokenizer = containers(objects["Deployment", "chat-tokenizer"])["tokenizer"]
     assert tokenizer["args"] == ["tokenizer", "--port", "50053", "--grace", "25",
-                                 "--model-dir", "/models/hf/SmolLM2-135M-Instruct"]
+                                 "--model-dir", "/models/hf/SmolLM2-135M-Instruct", "--metrics-port", "9092"]
     assert objects["Deployment", "chat-engine"]["spec"]["replicas"] == 3
     assert objects["Deployment", "chat-tokenizer"]["spec"]["replicas"] == 2
     assert engine["worker"]["image"] == "registry.example/prefixcache-worker:1.2.3-cu128"
@@ -120,7 +122,8 @@ def test_defaults_use_the_embedded_model_and_leave_worker_choices_to_the_worker(
     engine = containers(objects["Deployment", "chat-engine"])
     assert engine["worker"]["args"] == ["worker", "--host", "127.0.0.1", "--port", "50052", "--health-port", "50054",
                                         "--grace", "10", "--model-dir", "/opt/prefixcache/models/SmolLM2-135M-Instruct",
-                                        "--kv-cache-memory", str(2 * 2**30), "--device", "cuda"]
+                                        "--kv-cache-memory", str(2 * 2**30), "--metrics-port", "9091",
+                                        "--metrics-host", "0.0.0.0", "--device", "cuda"]
     assert not {"--no-prefix-caching", "--tenants", "--tls-cert"} & set(engine["scheduler"]["args"])
     pod = objects["Deployment", "chat-engine"]["spec"]["template"]["spec"]
     assert [v["name"] for v in pod["volumes"]] == ["tmp"]  # no model volume
@@ -243,20 +246,23 @@ def test_the_worker_is_reachable_from_its_scheduler_only() -> None:
     worker = containers(objects["Deployment", "chat-engine"])["worker"]
     args = worker["args"]
     assert args[args.index("--host") + 1] == "127.0.0.1"
-    assert [p["name"] for p in worker["ports"]] == ["health"]  # the Worker API itself is not a container port
+    # the Worker API itself is not a container port; its metrics are, on every interface
+    assert [p["name"] for p in worker["ports"]] == ["health", "worker-metrics"]
+    assert args[args.index("--metrics-host") + 1] == "0.0.0.0"
     engine_policy = objects["NetworkPolicy", "chat-engine"]["spec"]
     assert engine_policy["podSelector"]["matchLabels"] == objects["Service", "chat"]["spec"]["selector"]
     allowed = {port["port"] for rule in engine_policy["ingress"] for port in rule["ports"]}
-    assert 50052 not in allowed and {50051, 9090} <= allowed
+    assert 50052 not in allowed and {50051, 9090, 9091} <= allowed
 
 
 def test_the_tokenizer_takes_calls_from_the_stacks_engine_pods_only() -> None:
     objects = by_name(render(OWNER, parse_spec({})))
     policy = objects["NetworkPolicy", "chat-tokenizer"]["spec"]
     assert policy["podSelector"]["matchLabels"] == objects["Service", "chat-tokenizer"]["spec"]["selector"]
-    (rule,) = policy["ingress"]
-    assert rule["from"] == [{"podSelector": {"matchLabels": objects["Service", "chat"]["spec"]["selector"]}}]
-    assert rule["ports"] == [{"protocol": "TCP", "port": 50053}]
+    calls, scrapes = policy["ingress"]
+    assert calls["from"] == [{"podSelector": {"matchLabels": objects["Service", "chat"]["spec"]["selector"]}}]
+    assert calls["ports"] == [{"protocol": "TCP", "port": 50053}]
+    assert scrapes == {"ports": [{"protocol": "TCP", "port": 9092}]}  # from anyone: no tenant's data
 
 
 def test_the_tenants_file_and_the_certificate_are_mounted_secrets_that_can_rotate() -> None:
@@ -290,13 +296,29 @@ def test_rendering_is_deterministic() -> None:
     assert json.dumps(render(OWNER, spec), sort_keys=True) == json.dumps(render(OWNER, spec), sort_keys=True)
 
 
-def test_scheduler_metrics_are_exposed_for_scraping() -> None:
-    engine = by_name(render(OWNER, parse_spec({})))["Deployment", "chat-engine"]
-    scheduler = containers(engine)["scheduler"]
-    assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in scheduler["ports"]
-    assert scheduler["args"][scheduler["args"].index("--metrics-port") + 1] == "9090"
-    annotations = engine["spec"]["template"]["metadata"]["annotations"]
-    assert (annotations["prometheus.io/scrape"], annotations["prometheus.io/port"]) == ("true", "9090")
+def test_every_service_exposes_metrics_for_scraping() -> None:
+    objects = by_name(render(OWNER, parse_spec({})))
+    engine, tokenizer_pods = objects["Deployment", "chat-engine"], objects["Deployment", "chat-tokenizer"]
+    for container, name, port in ((containers(engine)["scheduler"], "metrics", 9090),
+                                  (containers(engine)["worker"], "worker-metrics", 9091),
+                                  (containers(tokenizer_pods)["tokenizer"], "metrics", 9092)):
+        assert {"name": name, "containerPort": port, "protocol": "TCP"} in container["ports"]
+        assert container["args"][container["args"].index("--metrics-port") + 1] == str(port)
+    for deployment, port in ((engine, "9090"), (tokenizer_pods, "9092")):
+        annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+        assert (annotations["prometheus.io/scrape"], annotations["prometheus.io/port"]) == ("true", port)
+
+
+def test_the_grafana_dashboard_is_a_configmap_for_the_sidecar() -> None:
+    dashboard = by_name(render(OWNER, parse_spec({})))["ConfigMap", "chat-dashboard"]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    panels = json.loads(dashboard["data"]["prefixcache.json"])["panels"]
+    queries = " ".join(target["expr"] for panel in panels for target in panel["targets"])
+    for metric in ("prefixcache_prefix_cache_hits_total", "prefixcache_prefix_cache_missed_tokens_total",
+                   "prefixcache_prefix_cache_evictions_total", "prefixcache_kv_cache_usage_perc",
+                   "prefixcache_time_to_first_token_seconds_bucket"):
+        assert metric in queries
+    assert "prefix_cache_hit" in queries  # TTFT with and without a hit
 
 
 def test_the_readiness_service_is_the_engines_grpc_name() -> None:

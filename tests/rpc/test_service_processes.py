@@ -238,7 +238,7 @@ def test_the_engine_reports_not_serving_while_its_worker_is_replaced(model_dir: 
     ("[::]", "0.0.0.0"), ("0.0.0.0", "0.0.0.0"),  # every interface: Prometheus scrapes the pod's IPv4 address
 ])
 def test_metrics_listen_where_the_engine_api_does(engine_host: str, metrics_host: str) -> None:
-    from prefixcache.scheduler.server import metrics_address
+    from prefixcache.rpc.metrics_http import metrics_address
 
     assert metrics_address(engine_host) == metrics_host
 

@@ -7,6 +7,11 @@
     Service <name>-tokenizer  :50053 ◄── Deployment <name>-tokenizer
     ConfigMap <name>-env      environment shared by every container (tracing)
     NetworkPolicy <name>-engine, <name>-tokenizer   who may connect to which pod, on which port
+    ConfigMap <name>-dashboard  the Grafana dashboard, for Grafana's sidecar (label grafana_dashboard: "1")
+
+Every service serves Prometheus metrics (scheduler :9090, worker :9091, tokenizer :9092); each pod's
+scrape annotations name its first service's port, and every metrics port is a named container port
+(`metrics`, `worker-metrics`) for a PodMonitor or a scrape job that follows container ports.
 
 A scheduler owns the KV cache of exactly one worker (its block table is that worker's memory), so the two
 share a pod and talk over loopback; scaling adds whole scheduler+worker pairs, each with its own cache.
@@ -29,6 +34,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from prefixcache.operator.schema import GROUP, KIND, VERSION
@@ -41,6 +47,10 @@ WORKER_PORT = 50052
 WORKER_HEALTH_PORT = 50054  # plaintext health only, for the probes: the worker itself listens on loopback
 SCHEDULER_HEALTH_PORT = 50055  # plaintext health only, for the probes: the Engine API may serve TLS
 METRICS_PORT = 9090  # the scheduler's Prometheus endpoint (prefix-cache counters)
+WORKER_METRICS_PORT = 9091
+TOKENIZER_METRICS_PORT = 9092
+DASHBOARD_PATH = Path(__file__).with_name("dashboard.json")  # the chart ships the same file (dashboards/)
+DASHBOARD_KEY = "prefixcache.json"
 WORKER_GRACE_SECONDS = 10  # a running step's time to finish once the worker gets SIGTERM
 # A tokenizer pod's termination grace, and its streams' share of it: a stopping tokenizer refuses
 # new calls at once (the scheduler's next ones go to another replica) while the detokenizing streams
@@ -102,6 +112,10 @@ class Owner:
         return f"{self.name}-env"
 
     @property
+    def dashboard(self) -> str:
+        return f"{self.name}-dashboard"
+
+    @property
     def engine_endpoint(self) -> str:
         return f"{self.engine_service}.{self.namespace}.svc:{ENGINE_PORT}"
 
@@ -132,6 +146,7 @@ def render(owner: Owner, spec: PrefixCacheSpec) -> list[dict[str, Any]]:
         _service(owner, "engine", owner.engine_service, ENGINE_PORT),
         _engine_deployment(owner, spec, config_hash),
         *_network_policies(owner),
+        _dashboard(owner),
     ]
 
 
@@ -161,6 +176,19 @@ def _config_map(owner: Owner, spec: PrefixCacheSpec) -> dict[str, Any]:
             "data": data}
 
 
+def _dashboard(owner: Owner) -> dict[str, Any]:
+    """The Grafana dashboard (hit rate, missed tokens by reason, evictions, KV usage, TTFT with and
+    without a hit), labelled for Grafana's sidecar to load."""
+    metadata = _metadata(owner, owner.dashboard, "dashboard")
+    metadata["labels"]["grafana_dashboard"] = "1"
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata,
+            "data": {DASHBOARD_KEY: DASHBOARD_PATH.read_text()}}
+
+
+def _scrape_annotations(port: int) -> dict[str, str]:
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
+
+
 def _service(owner: Owner, component: str, name: str, port: int) -> dict[str, Any]:
     return {
         "apiVersion": "v1", "kind": "Service", "metadata": _metadata(owner, name, component),
@@ -188,20 +216,22 @@ def _model_volumes(spec: PrefixCacheSpec) -> tuple[list[dict[str, Any]], list[di
 def _network_policies(owner: Owner) -> list[dict[str, Any]]:
     """Engine pods take the Engine API, metrics and the probes' health ports from anyone (the Engine
     API authenticates its callers), never the worker's port; tokenizer pods take calls from this
-    stack's engine pods only. (Kubernetes always lets a node's kubelet probe its pods.)"""
-    def policy(component: str, ingress: dict[str, Any]) -> dict[str, Any]:
+    stack's engine pods only, and metrics scrapes from anyone. (Kubernetes always lets a node's kubelet probe its pods.)"""
+    def policy(component: str, *ingress: dict[str, Any]) -> dict[str, Any]:
         return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
                 "metadata": _metadata(owner, f"{owner.name}-{component}", component),
                 "spec": {"podSelector": {"matchLabels": selector_labels(owner, component)},
-                         "policyTypes": ["Ingress"], "ingress": [ingress]}}
+                         "policyTypes": ["Ingress"], "ingress": list(ingress)}}
 
     def tcp(*ports: int) -> list[dict[str, Any]]:
         return [{"protocol": "TCP", "port": port} for port in ports]
 
     return [
-        policy("engine", {"ports": tcp(ENGINE_PORT, METRICS_PORT, SCHEDULER_HEALTH_PORT, WORKER_HEALTH_PORT)}),
+        policy("engine", {"ports": tcp(ENGINE_PORT, METRICS_PORT, WORKER_METRICS_PORT, SCHEDULER_HEALTH_PORT,
+                                       WORKER_HEALTH_PORT)}),
         policy("tokenizer", {"from": [{"podSelector": {"matchLabels": selector_labels(owner, "engine")}}],
-                             "ports": tcp(TOKENIZER_PORT)}),
+                             "ports": tcp(TOKENIZER_PORT)},
+               {"ports": tcp(TOKENIZER_METRICS_PORT)}),
     ]
 
 
@@ -293,11 +323,15 @@ def _tokenizer_deployment(owner: Owner, spec: PrefixCacheSpec, config_hash: str)
     volumes, mounts = _model_volumes(spec)
     container = _container(owner, "tokenizer", spec.image, spec, ["tokenizer", "--port", str(TOKENIZER_PORT),
                                                 "--grace", str(TOKENIZER_GRACE_SECONDS),
-                                                "--model-dir", _model_dir(spec)],
+                                                "--model-dir", _model_dir(spec),
+                                                "--metrics-port", str(TOKENIZER_METRICS_PORT)],
                            TOKENIZER_PORT, startup_seconds=120, resources=spec.tokenizer.resources)
     container["volumeMounts"] += mounts
+    container["ports"].append({"name": "metrics", "containerPort": TOKENIZER_METRICS_PORT, "protocol": "TCP"})
     pod = _pod_spec([container], volumes, TOKENIZER_POD_GRACE_SECONDS, spec.tokenizer.placement, spec.image_pull_secrets)
-    return _deployment(owner, owner.tokenizer_deployment, "tokenizer", spec.tokenizer.replicas, pod, config_hash)
+    deployment = _deployment(owner, owner.tokenizer_deployment, "tokenizer", spec.tokenizer.replicas, pod, config_hash)
+    deployment["spec"]["template"]["metadata"]["annotations"] |= _scrape_annotations(TOKENIZER_METRICS_PORT)
+    return deployment
 
 
 def _scheduler_args(owner: Owner, spec: PrefixCacheSpec) -> list[str]:
@@ -324,7 +358,8 @@ def scheduler_grace_seconds(spec: PrefixCacheSpec) -> int:
 def _worker_args(spec: PrefixCacheSpec) -> list[str]:
     args = ["worker", "--host", "127.0.0.1", "--port", str(WORKER_PORT), "--health-port", str(WORKER_HEALTH_PORT),
             "--grace", str(WORKER_GRACE_SECONDS), "--model-dir", _model_dir(spec),
-            "--kv-cache-memory", str(spec.kv_cache_memory_bytes)]
+            "--kv-cache-memory", str(spec.kv_cache_memory_bytes),
+            "--metrics-port", str(WORKER_METRICS_PORT), "--metrics-host", "0.0.0.0"]
     if spec.worker.gpus > 0:
         args += ["--device", "cuda"]
     if spec.worker.dtype != "auto":
@@ -372,6 +407,7 @@ def _engine_deployment(owner: Owner, spec: PrefixCacheSpec, config_hash: str) ->
     scheduler["volumeMounts"] += secret_mounts
     worker["restartPolicy"] = "Always"  # a native sidecar: up before the scheduler, down after it
     scheduler["ports"].append({"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"})
+    worker["ports"].append({"name": "worker-metrics", "containerPort": WORKER_METRICS_PORT, "protocol": "TCP"})
     pod = _pod_spec([scheduler], [*volumes, *secret_volumes], spec.termination_grace_period_seconds,
                     spec.worker.placement, spec.image_pull_secrets)
     pod["initContainers"] = [worker]
@@ -382,6 +418,5 @@ def _engine_deployment(owner: Owner, spec: PrefixCacheSpec, config_hash: str) ->
     # The worker may take its 600 s startup before the scheduler starts and takes its 300 s: a rollout
     # must not be reported failed (the default deadline is 600 s) while a healthy pod still starts.
     deployment["spec"]["progressDeadlineSeconds"] = ENGINE_PROGRESS_DEADLINE_S
-    deployment["spec"]["template"]["metadata"]["annotations"] |= {
-        "prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT), "prometheus.io/path": "/metrics"}
+    deployment["spec"]["template"]["metadata"]["annotations"] |= _scrape_annotations(METRICS_PORT)
     return deployment

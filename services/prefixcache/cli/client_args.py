@@ -1,4 +1,4 @@
-"""Options and error reporting shared by the client subcommands (generate, chat, stats)."""
+"""Options and error reporting shared by the client subcommands (generate, chat, stats, events, diagnose)."""
 from __future__ import annotations
 
 import argparse
@@ -23,7 +23,7 @@ UINT64_MAX = 2**64 - 1
 def add_target(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", type=engine_target, default=DEFAULT_TARGET, metavar="HOST:PORT", help=f"Engine API (default {DEFAULT_TARGET})")
     parser.add_argument("--api-key-file", type=Path, metavar="FILE",
-                        help=f"the tenant's API key (default: ${API_KEY_ENV}; never on the command line, "
+                        help=f"the tenant's (or an admin's) API key (default: ${API_KEY_ENV}; never on the command line, "
                              "where other users' `ps` would see it)")
     parser.add_argument("--tls-ca", type=Path, metavar="FILE", help="connect over TLS, trusting this CA (PEM)")
     parser.add_argument("--tls-cert", type=Path, metavar="FILE", help="with --tls-ca: a client certificate (mutual TLS)")

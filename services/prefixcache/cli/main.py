@@ -27,6 +27,8 @@ COMMANDS: tuple[Command, ...] = (
     Command("generate", "prefixcache.cli.generate", "stream one completion"),
     Command("chat", "prefixcache.cli.chat", "interactive chat against an engine"),
     Command("stats", "prefixcache.cli.stats", "print the prefix-cache counters"),
+    Command("events", "prefixcache.cli.events", "tail a scheduler's KV events stream (cached block hashes)"),
+    Command("diagnose", "prefixcache.cli.diagnose", "is the prefix cache thrashing, and what memory would fix it"),
     Command("bench", "prefixcache.cli.bench", "serving benchmark, with and without the cache"),
     Command("tokenizer", "prefixcache.tokenizer.server", "run the tokenizer service"),
     Command("scheduler", "prefixcache.scheduler.server", "run the scheduler/engine service"),

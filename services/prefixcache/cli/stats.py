@@ -24,6 +24,7 @@ def run(args: argparse.Namespace) -> int:
         async with connection.client() as engine:
             stats = await engine.cache_stats()
         fields: dict[str, object] = {field.name: getattr(stats, field.name) for field in stats.DESCRIPTOR.fields}
+        fields["missed_tokens_by_reason"] = dict(sorted(stats.missed_tokens_by_reason.items()))
         fields["hit_rate"] = stats.hit_tokens / stats.query_tokens if stats.query_tokens else 0.0
         if args.json:
             print(json.dumps(fields))

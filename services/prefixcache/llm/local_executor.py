@@ -50,6 +50,7 @@ class LocalExecutor:
             eos_token_ids=tuple(description.eos_token_ids),
             dtype=description.dtype,
             tokenizer_id=description.tokenizer_id,
+            kv_bytes_per_token=description.bytes_per_block_token,
         )
 
     async def execute(self, step: SchedulerStep) -> StepOutput:

@@ -37,6 +37,22 @@ def rebuild_handler(handler: grpc.RpcMethodHandler, behavior: Callable,
                 response_serializer=handler.response_serializer)
 
 
+def status_code_of(context: aio.ServicerContext, error: BaseException | None) -> grpc.StatusCode:
+    """The status a call ended with: the one the handler set or aborted with; else OK, or
+    DEADLINE_EXCEEDED or CANCELLED for a call that ran out of time or that the client left, or
+    UNKNOWN for a crash."""
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code
+    if error is None:
+        return grpc.StatusCode.OK
+    if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
+        remaining = context.time_remaining()
+        return grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 \
+            else grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.UNKNOWN
+
+
 def behavior_of(handler: grpc.RpcMethodHandler) -> Callable:
     return handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
 

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -76,6 +76,7 @@ async def run_server(
     health: health_aio.HealthServicer | None = None,
     tls: ServerTls | None = None,
     health_address: str | None = None,
+    interceptors: Sequence[aio.ServerInterceptor] = (),
 ) -> int:
     """Serve until SIGTERM/SIGINT; return the process exit code.
 
@@ -88,7 +89,8 @@ async def run_server(
     a service's status yourself while serving; this sets every service's on start and stop. With
     `tls`, the port serves TLS only (`rpc.tls`). `health_address` serves the same health statuses, and
     nothing else, in plaintext: for Kubernetes' gRPC probes, which speak neither TLS nor loopback,
-    where the service itself listens on loopback only or serves TLS.
+    where the service itself listens on loopback only or serves TLS. `interceptors` run after the
+    shared ones (the calls' metrics, say).
     """
     try:
         configure_tracing(service_name)
@@ -97,7 +99,7 @@ async def run_server(
         return 1
     try:
         return await _serve(service_name, address, servicers, grace_s, drain_idle_s, startup, shutdown, ready, health,
-                            tls, health_address)
+                            tls, health_address, interceptors)
     finally:
         shutdown_tracing()  # spans of a failed start are worth having too
 
@@ -114,9 +116,11 @@ async def _serve(
     health: health_aio.HealthServicer | None,
     tls: ServerTls | None,
     health_address: str | None,
+    extra_interceptors: Sequence[aio.ServerInterceptor],
 ) -> int:
     activity = CallActivity() if drain_idle_s > 0 else None
-    interceptors = [MalformedRequestInterceptor(), *([activity] if activity else []), ServerTracingInterceptor()]
+    interceptors = [MalformedRequestInterceptor(), *([activity] if activity else []), ServerTracingInterceptor(),
+                    *extra_interceptors]
     server = aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
     health = health or health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

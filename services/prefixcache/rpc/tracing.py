@@ -14,12 +14,12 @@ received, so a trace is not cut by one unconfigured hop.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import inspect
 import logging
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -28,7 +28,7 @@ from grpc import aio
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 
-from prefixcache.rpc.interceptors import behavior_of, rebuild_handler
+from prefixcache.rpc.interceptors import behavior_of, rebuild_handler, status_code_of
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -190,20 +190,10 @@ _SERVER_ERROR_CODES = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLI
 
 
 def _set_status_code(span: trace.Span, context: aio.ServicerContext, error: BaseException | None) -> None:
-    """The call's gRPC status on its span (OpenTelemetry's `rpc.grpc.status_code`): the one the
-    handler set or aborted with; else OK, DEADLINE_EXCEEDED or CANCELLED for a call that ran out of
-    time or that the client left, UNKNOWN for a crash. The span is an error for the server's faults
-    only (`_SERVER_ERROR_CODES`), described by the code's name, never by a message."""
-    code = context.code()
-    if not isinstance(code, grpc.StatusCode):
-        if error is None:
-            code = grpc.StatusCode.OK
-        elif isinstance(error, (asyncio.CancelledError, GeneratorExit)):
-            remaining = context.time_remaining()
-            code = grpc.StatusCode.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 \
-                else grpc.StatusCode.CANCELLED
-        else:
-            code = grpc.StatusCode.UNKNOWN
+    """The call's gRPC status on its span (OpenTelemetry's `rpc.grpc.status_code`, see
+    `status_code_of`). The span is an error for the server's faults only (`_SERVER_ERROR_CODES`),
+    described by the code's name, never by a message."""
+    code = status_code_of(context, error)
     span.set_attribute("rpc.grpc.status_code", code.value[0])
     if code in _SERVER_ERROR_CODES:
         span.set_status(trace.Status(trace.StatusCode.ERROR, code.name))
@@ -332,10 +322,13 @@ def client_interceptors() -> list[aio.ClientInterceptor]:
 
 class SpanRegistry:
     """Span contexts of in-flight requests by id, so work done for a batch (one engine step serves
-    many requests) can link back to each request's span."""
+    many requests) can link back to each request's span; and of the newest `max_steps` steps by
+    step id, so each request's spans can link to the steps that computed it."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_steps: int = 4096) -> None:
         self._contexts: dict[str, trace.SpanContext] = {}
+        self._steps: OrderedDict[int, trace.SpanContext] = OrderedDict()
+        self._max_steps = max_steps
 
     def add(self, request_id: str, span: trace.Span) -> None:
         if _enabled:
@@ -345,4 +338,13 @@ class SpanRegistry:
         self._contexts.pop(request_id, None)
 
     def links(self, request_ids: Iterable[str]) -> list[trace.Link]:
-        return [trace.Link(self._contexts[r]) for r in request_ids if r in self._contexts]
+        return [trace.Link(self._contexts[r], {"prefix_cache.link": "computed_request"})
+                for r in request_ids if r in self._contexts]
+
+    def add_step(self, step_id: int, span: trace.Span) -> None:
+        self._steps[step_id] = span.get_span_context()
+        if len(self._steps) > self._max_steps:
+            self._steps.popitem(last=False)
+
+    def step(self, step_id: int | None) -> trace.SpanContext | None:
+        return self._steps.get(step_id) if step_id is not None else None

@@ -29,11 +29,12 @@ the clients. `EngineCore` drives it.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prefixcache.scheduler.config import SchedulerConfig
-from prefixcache.scheduler.kv_cache import KVCacheManager
+from prefixcache.scheduler.kv_cache import KVCacheManager, LookupLog
 from prefixcache.scheduler.request import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -66,6 +67,7 @@ class PolicyCounters:
     preemptions: int = 0
     steps: int = 0
     steps_ahead: int = 0  # of those, scheduled while the step before was in flight
+    lookups: LookupLog = field(default_factory=LookupLog)  # first lookups: counted, and the newest kept
 
 
 class SchedulingPolicy:
@@ -149,6 +151,7 @@ class SchedulingPolicy:
         if not preempted:  # admitting while preempting would only evict what running requests need
             self._admit_waiting(step, budget)
         self._collect_evictions()
+        self.kv_cache.publish_events()  # this step's changes to the cache: one batch of the KV events stream
         self.counters.steps += 1
         self.counters.steps_ahead += step.follows_step_id is not None
         return step
@@ -185,6 +188,7 @@ class SchedulingPolicy:
             request = self.waiting[0]
             if self._pending_samples(request):  # preempted while a step was sampling for it
                 return
+            lookup_ns = time.time_ns()
             hit_block_ids, account = self.kv_cache.get_computed_blocks(request.kv)
             counted = request.kv.counted  # set by the allocation below, the first time
             num_hit_tokens = len(hit_block_ids) * self.kv_cache.block_size
@@ -200,9 +204,11 @@ class SchedulingPolicy:
             request.kv.num_computed_tokens = num_hit_tokens
             if request.cache_account is None:
                 request.cache_account = account
+            request.timeline.admitted(lookup_ns)
             if not counted and account.miss_reason != "disabled":
                 self.counters.queried_tokens += account.queried_tokens
                 self.counters.hit_tokens += num_hit_tokens
+                self.counters.lookups.record(self.kv_cache.lookup_record(request.kv, account))
             self.counters.admissions += 1
             step.new_requests.append(
                 NewRequestData(
@@ -228,8 +234,11 @@ class SchedulingPolicy:
 
     def _mark_scheduled(self, request: RequestState, num_new: int, step: SchedulerStep) -> int:
         step.num_scheduled_tokens[request.request_id] = num_new
+        pending = self._pending_samples(request)
+        # A decode feeds back one sampled token; anything else computes prompt (or recomputes after a preemption).
+        request.timeline.scheduled(step.step_id, num_new, prefill=num_new > 1 or not (request.output_token_ids or pending))
         request.kv.num_computed_tokens += num_new
-        samples = request.num_computed_tokens == request.num_tokens + self._pending_samples(request)
+        samples = request.num_computed_tokens == request.num_tokens + pending
         self._in_flight[step.step_id][request.request_id] = (request, samples)
         return num_new
 
@@ -276,7 +285,12 @@ class SchedulingPolicy:
             if token_id is not None:  # None: mid-way through a chunked prefill
                 sampled.append((request, token_id))
         del self._in_flight[step.step_id]
+        now = time.time_ns()
+        for request, _ in scheduled.values():
+            request.timeline.step_done(step.step_id, now)
         for request, token_id in sampled:
+            if request.timeline.first_token_ns is None:
+                request.timeline.first_token_ns = now
             request.append_output_token(token_id)
             finish_reason = self._stop_reason(request, token_id)
             logprobs = output.logprobs.get(request.request_id)
@@ -312,9 +326,11 @@ class SchedulingPolicy:
             logprobs=logprobs,
             evictions=request.take_evictions(),
             num_preemptions=request.num_preemptions,
+            timeline=request.timeline if finished else None,
         )
 
     def _finish(self, request: RequestState) -> None:
+        request.timeline.finished_ns = time.time_ns()
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
             self.kv_cache.free(request.request_id)

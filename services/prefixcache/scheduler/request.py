@@ -6,6 +6,7 @@ Pure data: no asyncio, no transport. The gRPC servicer converts its messages to 
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from prefixcache.block_identity.hashing import BlockExtras
@@ -27,6 +28,9 @@ class EngineRequest:
     ignore_eos: bool = False
     extras: BlockExtras = field(default_factory=BlockExtras)  # LoRA, multimodal items, cache salt
     tenant: str = ""  # the tenant's one-way label, for its share of the waiting queue ("" without tenants)
+    # Its span's context when traced (opaque here): what it evicts and stores is linked to it.
+    trace_context: object | None = None
+    arrival_ns: int | None = None  # when the call arrived (time.time_ns); None: when it is queued
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,55 @@ class Usage:
     prompt_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache at the request's first admission
     completion_tokens: int
+
+
+@dataclass
+class StepWork:
+    """One step's computation of a request's prompt (or, after a preemption, of its recompute)."""
+
+    step_id: int
+    num_tokens: int
+    scheduled_ns: int  # wall clock (time.time_ns), as every time here
+    done_ns: int | None = None  # when the step's result came back
+
+
+@dataclass
+class RequestTimeline:
+    """When a request's phases happened: for its span's children and the latency histograms."""
+
+    arrival_ns: int
+    queued_ns: int
+    lookup_ns: int | None = None  # the admitting cache lookup began
+    admitted_ns: int | None = None  # first admission (the lookup ended)
+    prefill: list[StepWork] = field(default_factory=list)
+    first_token_ns: int | None = None
+    decode_steps: int = 0  # steps that fed back one sampled token
+    first_decode: StepWork | None = None
+    last_decode_step_id: int | None = None
+    finished_ns: int | None = None
+
+    @classmethod
+    def begun(cls, arrival_ns: int | None = None) -> RequestTimeline:
+        """Queued now; arrived at `arrival_ns` (the call's arrival), or now."""
+        now = time.time_ns()
+        return cls(arrival_ns or now, now)
+
+    def admitted(self, lookup_ns: int) -> None:
+        if self.admitted_ns is None:
+            self.lookup_ns, self.admitted_ns = lookup_ns, time.time_ns()
+
+    def scheduled(self, step_id: int, num_tokens: int, prefill: bool) -> None:
+        if prefill:
+            self.prefill.append(StepWork(step_id, num_tokens, time.time_ns()))
+            return
+        if self.first_decode is None:
+            self.first_decode = StepWork(step_id, num_tokens, time.time_ns())
+        self.decode_steps += 1
+        self.last_decode_step_id = step_id
+
+    def step_done(self, step_id: int, now_ns: int) -> None:
+        if self.prefill and self.prefill[-1].step_id == step_id:
+            self.prefill[-1].done_ns = now_ns
 
 
 @dataclass(frozen=True)
@@ -50,6 +103,7 @@ class RequestOutput:
     # Cached blocks this request's allocations evicted since its previous output (for its span).
     evictions: tuple[EvictionBatch, ...] = ()
     num_preemptions: int = 0  # times the request was preempted (recomputed) so far
+    timeline: RequestTimeline | None = None  # on the last output
 
 
 class RequestStatus(enum.Enum):
@@ -80,6 +134,7 @@ class RequestState:
     sent_first_output: bool = False
     pending_evictions: list[EvictionBatch] = field(default_factory=list)
     origin: EngineRequest | None = None  # what was submitted, to submit again after a worker loss
+    timeline: RequestTimeline = field(default_factory=RequestTimeline.begun)
 
     @classmethod
     def from_engine_request(cls, request: EngineRequest) -> RequestState:
@@ -91,7 +146,9 @@ class RequestState:
             max_tokens=request.max_tokens,
             stop_token_ids=frozenset(request.stop_token_ids),
             ignore_eos=request.ignore_eos,
-            kv=KVRequest(request.request_id, list(request.prompt_token_ids), request.extras),
+            kv=KVRequest(request.request_id, list(request.prompt_token_ids), request.extras,
+                         trace_context=request.trace_context),
+            timeline=RequestTimeline.begun(request.arrival_ns),
         )
 
     @property

@@ -24,10 +24,14 @@ from grpc_health.v1.health import aio as health_aio
 from prefixcache.arg_types import block_size, listen_port
 from prefixcache.block_identity.hashing import HASH_ALGOS
 from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
+from prefixcache.protos.engine.v1 import kv_cache_pb2_grpc
+from prefixcache.rpc.metrics_http import start_service_metrics
 from prefixcache.rpc.server import Servicer, add_health_port_argument, configure_logging, probe_address, run_server
 from prefixcache.rpc.tls import ChannelTls, add_server_tls_arguments, server_tls
 from prefixcache.rpc.tracing import SpanRegistry
+from prefixcache.scheduler.api import kv_cache_servicer
 from prefixcache.scheduler.api.codec import DEFAULT_MAX_PROMPT_BYTES
+from prefixcache.scheduler.api.kv_cache_servicer import KvCacheServicer
 from prefixcache.scheduler.api.servicer import SERVICE_NAME, EngineServicer
 from prefixcache.scheduler.config import SchedulerConfig
 from prefixcache.scheduler.engine import EngineCore, WorkerUnavailable
@@ -60,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len, help="prompt + output at most")
     parser.add_argument("--schedule-ahead", action=argparse.BooleanOptionalAction, default=defaults.schedule_ahead,
                         help="send a decode step while the one before it runs (default: on)")
-    parser.add_argument("--metrics-port", type=listen_port, default=None, help="serve Prometheus metrics on this port")
+    parser.add_argument("--metrics-port", type=listen_port, default=None,
+                        help="serve Prometheus metrics on this port (the chart uses 9090)")
     parser.add_argument("--grace", type=float, default=10.0, help="seconds in-flight requests get on SIGTERM")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--tenants", type=Path, metavar="FILE",
@@ -120,19 +125,17 @@ async def serve(args: argparse.Namespace) -> int:
     health = health_aio.HealthServicer()
     readiness = Readiness(health, SERVICE_NAME, tokenizer.is_serving)
     engine.on_worker_availability = readiness.worker_available
+    kv_cache = KvCacheServicer(engine, registry)
+    # Metrics first: a port that is taken fails the start at once, not after the worker's model has
+    # loaded, and the counters can be scraped while the scheduler waits for the worker.
+    try:
+        interceptors = start_service_metrics(args.metrics_port, args.host, lambda: engine.metrics.model_name,
+                                             engine.metrics.registry)
+    except RuntimeError as error:
+        log.error("%s", error)
+        return 1
 
     async def start_engine() -> None:
-        # Metrics first: a port that is taken fails the start at once, not after the worker's model
-        # has loaded, and the counters can be scraped while the scheduler waits for the worker.
-        if args.metrics_port is not None:
-            from prometheus_client import start_http_server
-
-            address = metrics_address(args.host)
-            try:
-                start_http_server(args.metrics_port, addr=address, registry=engine.metrics.registry)
-            except OSError as error:
-                raise RuntimeError(f"cannot serve metrics on {address}:{args.metrics_port} (--metrics-port): "
-                                   f"{error.strerror or error}") from None
         while True:
             try:
                 await engine.start()
@@ -149,6 +152,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     async def stop_engine(grace_s: float) -> None:
         deadline = asyncio.get_running_loop().time() + grace_s
+        kv_cache.close()  # KV events subscribers stream forever: end them, or they would hold the stop
         await readiness.stop()
         await engine.shutdown(grace_s)
         # Streams aborted at the deadline still send their final response: give them a moment.
@@ -159,23 +163,19 @@ async def serve(args: argparse.Namespace) -> int:
         await executor.close()
 
     registration = Servicer(SERVICE_NAME, lambda server: pb_grpc.add_EngineServicer_to_server(servicer, server))
+    kv_cache_registration = Servicer(kv_cache_servicer.SERVICE_NAME,
+                                     lambda server: kv_cache_pb2_grpc.add_KvCacheServicer_to_server(kv_cache, server))
     return await run_server(
         "prefixcache-scheduler",
         f"{args.host}:{args.port}",
-        [registration],
+        [registration, kv_cache_registration],
         grace_s=args.grace,
         startup=start_engine,
         shutdown=stop_engine,
         health=health,
         tls=tls, health_address=probe_address(args),
+        interceptors=interceptors,
     )
-
-
-def metrics_address(engine_host: str) -> str:
-    """Where /metrics listens: beside the Engine API on a specific address (loopback stays loopback),
-    on every IPv4 interface where the Engine API takes all (as Prometheus scrapes a pod's IP)."""
-    host = engine_host.strip("[]")
-    return "0.0.0.0" if host in ("", "::", "0.0.0.0") else host
 
 
 def run(args: argparse.Namespace) -> int:

@@ -66,6 +66,7 @@ class GrpcStepExecutor:
             eos_token_ids=tuple(reply.model.eos_token_ids),
             dtype=reply.model.dtype,
             tokenizer_id=reply.model.tokenizer_id,
+            kv_bytes_per_token=reply.model.bytes_per_block_token,
         )
 
     async def execute(self, step: SchedulerStep) -> StepOutput:
@@ -79,7 +80,8 @@ class GrpcStepExecutor:
             "prefix_cache.step.num_tokens": step.total_scheduled_tokens,
         }
         links = self._request_spans.links(step.num_scheduled_tokens)
-        with quiet_span(_tracer, "execute_step", kind=SpanKind.CLIENT, links=links, attributes=attributes):
+        with quiet_span(_tracer, "execute_step", kind=SpanKind.CLIENT, links=links, attributes=attributes) as span:
+            self._request_spans.add_step(step.step_id, span)  # the requests' prefill and decode spans link here
             return await self._execute(step)
 
     async def _execute(self, step: SchedulerStep) -> StepOutput:

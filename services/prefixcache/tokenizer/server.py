@@ -24,6 +24,7 @@ from prefixcache.arg_types import listen_port
 from prefixcache.model_store.store import default_model_dir, is_complete_model_dir
 from prefixcache.protos.tokenizer.v1 import tokenizer_pb2 as pb
 from prefixcache.protos.tokenizer.v1 import tokenizer_pb2_grpc as pb_grpc
+from prefixcache.rpc.metrics_http import start_service_metrics
 from prefixcache.rpc.server import Servicer, add_health_port_argument, configure_logging, probe_address, run_server
 from prefixcache.rpc.tls import add_server_tls_arguments, server_tls
 from prefixcache.tokenizer.text import ChatTemplateError, ChatTurn, IncrementalDetokenizer, TextTokenizer
@@ -115,6 +116,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "so that a scheduler's next calls go to another replica)")
     parser.add_argument("--max-input-bytes", type=int, default=DEFAULT_MAX_INPUT_BYTES,
                         help="refuse a text or chat larger than this (UTF-8 bytes; a chat as serialized)")
+    parser.add_argument("--metrics-port", type=listen_port, default=None,
+                        help="serve Prometheus metrics on this port (the chart uses 9092)")
     parser.add_argument("--log-level", default="INFO")
     add_health_port_argument(parser)
     add_server_tls_arguments(parser)
@@ -137,7 +140,13 @@ def run(args: argparse.Namespace) -> int:
     except Exception as error:  # a missing or malformed file; `tokenizers` raises plain Exceptions
         log.error("cannot load the tokenizer from %s: %s", model_dir, error)
         return 1
+    try:  # labelled with the model directory's name: the tokenizer knows no weights
+        interceptors = start_service_metrics(args.metrics_port, args.host, lambda: model_dir.name)
+    except RuntimeError as error:
+        log.error("%s", error)
+        return 1
     return asyncio.run(
         run_server("prefixcache-tokenizer", f"{args.host}:{args.port}", [servicer(tokenizer, args.max_input_bytes)],
-                   grace_s=args.grace, drain_idle_s=args.drain_idle, tls=tls, health_address=probe_address(args))
+                   grace_s=args.grace, drain_idle_s=args.drain_idle, interceptors=interceptors, tls=tls,
+                   health_address=probe_address(args))
     )

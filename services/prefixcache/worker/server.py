@@ -21,6 +21,7 @@ from grpc import aio
 from prefixcache.arg_types import listen_port
 from prefixcache.protos.worker.v1 import worker_pb2 as pb
 from prefixcache.protos.worker.v1 import worker_pb2_grpc as pb_grpc
+from prefixcache.rpc.metrics_http import start_service_metrics
 from prefixcache.rpc.server import Servicer, add_health_port_argument, configure_logging, probe_address, run_server
 from prefixcache.rpc.tls import add_server_tls_arguments, server_tls
 from prefixcache.step.codec import output_to_proto, step_from_proto
@@ -146,6 +147,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "draining beside the worker), then a running step's time to finish")
     parser.add_argument("--drain-idle", type=float, default=1.0,
                         help="on SIGTERM: stop once no step has arrived for this long (0: refuse new steps at once)")
+    parser.add_argument("--metrics-port", type=listen_port, default=None,
+                        help="serve Prometheus metrics on this port (the chart uses 9091)")
+    parser.add_argument("--metrics-host", default=None,
+                        help="the address /metrics binds (default: --host's; the chart's worker listens on "
+                             "loopback for its scheduler alone, and serves metrics, which hold no tenant's data, "
+                             "on 0.0.0.0)")
     parser.add_argument("--log-level", default="INFO")
     add_health_port_argument(parser)
     add_server_tls_arguments(parser)
@@ -174,6 +181,12 @@ def run(args: argparse.Namespace) -> int:
             log.error("%s", problem)
             return 1
     servicer = WorkerServicer()
+    try:  # before the model loads: a taken port fails the start at once
+        interceptors = start_service_metrics(args.metrics_port, args.metrics_host or args.host,
+                                             lambda: servicer.runner.model_id if servicer.runner else "")
+    except RuntimeError as error:
+        log.error("%s", error)
+        return 1
 
     async def load_model() -> None:
         from prefixcache.worker.kv_memory import kv_cache_budget_bytes
@@ -197,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
     registration = Servicer(SERVICE_NAME, lambda server: pb_grpc.add_WorkerServicer_to_server(servicer, server))
     return asyncio.run(
         run_server(
-            "prefixcache-worker", f"{args.host}:{args.port}", [registration], grace_s=args.grace, drain_idle_s=args.drain_idle, startup=load_model,
-            tls=tls, health_address=probe_address(args)
+            "prefixcache-worker", f"{args.host}:{args.port}", [registration], grace_s=args.grace,
+            drain_idle_s=args.drain_idle, startup=load_model, interceptors=interceptors,
+            tls=tls, health_address=probe_address(args),
         )
     )

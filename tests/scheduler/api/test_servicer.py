@@ -23,7 +23,7 @@ from prefixcache.scheduler.api import servicer
 from prefixcache.scheduler.api.codec import MAX_REQUEST_ID_BYTES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 from prefixcache.scheduler.api.isolation import MAX_CACHE_SALT_BYTES, MAX_TENANT_BYTES
 from prefixcache.scheduler.api.spans import MAX_HASHES_PER_EVICTION_EVENT, eviction_attributes
-from prefixcache.scheduler.kv_cache import EvictionBatch
+from prefixcache.scheduler.kv_cache import EvictionBatch, RequestRef
 from prefixcache.scheduler.tokenizer_client import StreamingDetokenizer
 from prefixcache.tokenizer.text import TextTokenizer
 
@@ -104,7 +104,7 @@ def test_a_stop_string_the_engine_finished_before_is_counted_as_stop(tokenizer: 
     generated = reference_generation(PROMPT, 200, tokenizer.vocab_size, frozenset(SPECIAL_IDS))
     k, stop = stop_string_at(tokenizer, generated, 150)
 
-    length_series = 'prefixcache_requests_finished_total{finish_reason="length"}'
+    length_series = 'prefixcache_requests_finished_total{finish_reason="length",model_name="sim-model"}'
     scraped_lengths: list[str] = []  # what a Prometheus scrape would have read at every turn of the loop
 
     async def scrape(engine) -> None:
@@ -122,7 +122,7 @@ def test_a_stop_string_the_engine_finished_before_is_counted_as_stop(tokenizer: 
 
     completion, metrics = asyncio.run(asyncio.wait_for(main(), 60))
     assert completion.finish_reason == "stop" and completion.usage.completion_tokens == k + 1
-    assert 'prefixcache_requests_finished_total{finish_reason="stop"} 1.0' in metrics
+    assert 'prefixcache_requests_finished_total{finish_reason="stop",model_name="sim-model"} 1.0' in metrics
     # Never counted as "length" in between: a counter that went 0 -> 1 -> 0 would read as a reset.
     assert len(scraped_lengths) > 10 and set(scraped_lengths) == {"0.0"}
 
@@ -284,7 +284,7 @@ def test_lora_adapters_and_multimodal_items_are_unimplemented_naming_the_field(t
 def finished_counts(engine) -> dict[str, float]:
     text = engine.metrics.exposition().decode()
     return {reason: float(count) for reason, count in
-            re.findall(r'prefixcache_requests_finished_total\{finish_reason="(\w+)"\} (\S+)', text)}
+            re.findall(r'prefixcache_requests_finished_total\{finish_reason="(\w+)",model_name="sim-model"\} (\S+)', text)}
 
 
 def test_a_client_that_leaves_after_the_engine_finished_is_still_counted(tokenizer: TextTokenizer,
@@ -361,18 +361,20 @@ def test_a_stream_the_tokenizer_fails_is_counted_as_an_error(tokenizer: TextToke
 
     counts = asyncio.run(asyncio.wait_for(main(), 60))
     assert counts["error"] == 1 and sum(counts.values()) == 1, counts
-    (span,) = [span for span in exporter.get_finished_spans() if span.name == "generate"]
+    (span,) = [span for span in exporter.get_finished_spans() if span.name == "text_completion sim-model"]
     assert span.attributes["gen_ai.response.finish_reasons"] == ("error",)
 
 
 def test_an_eviction_event_lists_a_bounded_number_of_blocks_and_their_storers() -> None:
     """One allocation can evict thousands of blocks stored by as many requests: the event lists the
     first blocks and exactly the requests that stored those, each once."""
-    storers = [f"request-{i // 2}" for i in range(4000)]  # two blocks each
-    batch = EvictionBatch("taker", "allocation", list(range(4000)), [i.to_bytes(32, "big") for i in range(4000)],
-                          storers, evicted_at_ns=0)
+    storers = [RequestRef(f"request-{i // 2}") for i in range(4000)]  # two blocks each
+    batch = EvictionBatch(RequestRef("taker"), "allocation", list(range(4000)),
+                          [i.to_bytes(32, "big") for i in range(4000)], storers, stored_at_ns=list(range(4000)),
+                          evicted_at_ns=5_000_000_000)
     attributes = eviction_attributes(batch)
     assert attributes["prefix_cache.evicted_blocks"] == 4000
+    assert attributes["prefix_cache.oldest_evicted_age_s"] == 5.0
     assert len(attributes["prefix_cache.block_hashes"]) == MAX_HASHES_PER_EVICTION_EVENT
     assert attributes["prefix_cache.storing_request_ids"] == [f"request-{i}" for i in
                                                               range(MAX_HASHES_PER_EVICTION_EVENT // 2)]

@@ -115,6 +115,25 @@ def test_only_an_admin_resets_the_cache(tokenizer: TextTokenizer, tmp_path: Path
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
+def test_only_an_admin_reads_the_whole_cache(tokenizer: TextTokenizer, tmp_path: Path) -> None:
+    """The KvCache service names every tenant's block hashes: a tenant's KV events stream, snapshot and
+    diagnosis are refused, an anonymous caller's are UNAUTHENTICATED, and an admin's see the victim's blocks."""
+    async def main() -> None:
+        async with tenant_api(tokenizer, tmp_path) as (clients, admin, target):
+            await clients["acme"].complete(greedy(SECRET_PROMPT))
+            thief = clients["globex"]
+            for call in (thief.cached_blocks(), thief.diagnose(), anext(aiter(thief.kv_events(from_seq=1)))):
+                assert (await refused(call)).code() == grpc.StatusCode.PERMISSION_DENIED
+            async with EngineClient(target) as anonymous:
+                assert (await refused(anonymous.cached_blocks())).code() == grpc.StatusCode.UNAUTHENTICATED
+            assert len((await admin.cached_blocks()).block_hashes) == len(SECRET_PROMPT) // 4
+            assert (await admin.diagnose()).lookups >= 1
+            first = await anext(aiter(admin.kv_events(from_seq=1)))
+            assert first.HasField("batch")
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
 def test_request_ids_are_per_tenant(tokenizer: TextTokenizer, tmp_path: Path) -> None:
     """Attack 5: another tenant's open id neither blocks a request nor tells that it is in flight."""
     async def main() -> None:

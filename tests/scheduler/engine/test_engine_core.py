@@ -73,7 +73,7 @@ def test_preemption_under_a_small_pool_still_gives_every_request_its_tokens():
             assert tokens_of(outputs) == reference_generation(prompt, 20, VOCAB)
         assert sum(s.finished_request_ids != [] for s in worker.steps) > 0
         assert max(o[-1].num_preemptions for o in results) > 0
-        counted = re.search(r"^prefixcache_preemptions_total (\S+)$", engine.metrics.exposition().decode(), re.M)
+        counted = re.search(r'^prefixcache_preemptions_total\{model_name="sim-model"\} (\S+)$', engine.metrics.exposition().decode(), re.M)
         assert float(counted[1]) > 0
 
     run(body, worker)
@@ -229,15 +229,52 @@ def test_metrics_expose_cache_and_queue_counters():
         await collect(engine.add_request(request("a", shared)))
         await collect(engine.add_request(request("b", shared)))
         text = engine.metrics.exposition().decode()
-        assert "prefixcache_prefix_cache_queries_total 100.0" in text
-        assert "prefixcache_prefix_cache_hits_total 48.0" in text
-        assert "prefixcache_generation_tokens_total 12.0" in text
-        assert 'prefixcache_requests_finished_total{finish_reason="length"} 0.0' in text  # the reader counts
-        assert 'prefixcache_kv_blocks{state="used"} 0.0' in text
-        assert 'prefixcache_kv_blocks{state="free"} 64.0' in text  # the states add up to the pool
+        assert 'prefixcache_prefix_cache_queries_total{model_name="sim-model"} 100.0' in text
+        assert 'prefixcache_prefix_cache_hits_total{model_name="sim-model"} 48.0' in text
+        assert 'prefixcache_generation_tokens_total{model_name="sim-model"} 12.0' in text
+        assert 'prefixcache_requests_finished_total{finish_reason="length",model_name="sim-model"} 0.0' in text  # the reader counts
+        assert 'prefixcache_kv_blocks{model_name="sim-model",state="used"} 0.0' in text
+        assert 'prefixcache_kv_blocks{model_name="sim-model",state="free"} 64.0' in text  # the states add up to the pool
         # 13 blocks of 55 computed tokens, and b's own copy of block 12 (its prompt ends inside it: no hit)
-        assert "prefixcache_kv_cached_blocks 14.0" in text
-        assert "prefixcache_requests_running 0.0" in text
+        assert 'prefixcache_kv_cached_blocks{model_name="sim-model"} 14.0' in text
+        assert 'prefixcache_requests_running{model_name="sim-model"} 0.0' in text
+
+    run(body)
+
+
+def samples(engine) -> dict[tuple[str, frozenset], float]:
+    """(sample name, its labels but model_name) -> value; every sample is labelled with the model."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = {}
+    for family in text_string_to_metric_families(engine.metrics.exposition().decode()):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            assert labels.pop("model_name") == "sim-model", sample
+            found[sample.name, frozenset(labels.items())] = sample.value
+    return found
+
+
+def test_metrics_time_each_request_and_explain_its_misses():
+    async def body(engine, worker):
+        shared = list(range(50))
+        await collect(engine.add_request(request("a", shared, max_tokens=4)))
+        await collect(engine.add_request(request("b", shared, max_tokens=4)))
+        found = samples(engine)
+        first_token = {hit: found["prefixcache_time_to_first_token_seconds_count", frozenset({("prefix_cache_hit", hit)})]
+                       for hit in ("true", "false")}
+        assert first_token == {"true": 1, "false": 1}
+        assert found["prefixcache_inter_token_latency_seconds_count", frozenset()] == 2 * 3
+        for name in ("e2e_request_latency", "request_queue_time", "request_prefill_time"):
+            assert found[f"prefixcache_{name}_seconds_count", frozenset()] == 2, name
+            assert found[f"prefixcache_{name}_seconds_bucket", frozenset({("le", "+Inf")})] == 2, name
+        missed = {reason: found["prefixcache_prefix_cache_missed_tokens_total", frozenset({("reason", reason)})]
+                  for reason in ("cold", "evicted", "capped", "partial_tail")}
+        assert missed == {"cold": 48, "evicted": 0, "capped": 0, "partial_tail": 2 + 2}
+        assert found["prefixcache_prefix_cache_lookups_total", frozenset()] == 2
+        assert found["prefixcache_prefix_cache_ghost_hits_total", frozenset()] == 0
+        assert found["prefixcache_kv_cache_usage_perc", frozenset()] == 0.0
+        assert found["prefixcache_kv_cached_idle_blocks", frozenset()] == found["prefixcache_kv_cached_blocks", frozenset()]
 
     run(body)
 

@@ -47,8 +47,8 @@ def test_worker_loss_fails_in_flight_requests_and_a_restarted_worker_serves_with
         # The engine counts the request it lost as an error; the others are counted by their
         # reader (the Engine servicer), as their clients were told.
         text = engine.metrics.exposition().decode()
-        assert 'prefixcache_requests_finished_total{finish_reason="error"} 1.0' in text
-        assert 'prefixcache_requests_finished_total{finish_reason="length"} 0.0' in text
+        assert 'prefixcache_requests_finished_total{finish_reason="error",model_name="sim-model"} 1.0' in text
+        assert 'prefixcache_requests_finished_total{finish_reason="length",model_name="sim-model"} 0.0' in text
 
     run(body)
 
@@ -65,7 +65,7 @@ def test_a_request_that_streamed_nothing_survives_a_worker_that_is_back_at_once(
         assert tokens_of(outputs) == reference_generation(prompt, 6, VOCAB)
         assert outputs[-1].finish_reason == "length"
         assert outputs[-1].usage.cached_tokens == 0  # computed again, on the new worker's empty cache
-        assert 'prefixcache_requests_finished_total{finish_reason="error"} 0.0' in engine.metrics.exposition().decode()
+        assert 'prefixcache_requests_finished_total{finish_reason="error",model_name="sim-model"} 0.0' in engine.metrics.exposition().decode()
         # Each prompt counted once: "next" was admitted before the loss, and not counted again after.
         assert engine.cache_stats().queries == 2 * len(prompt)
 
@@ -85,7 +85,7 @@ def test_a_request_that_streamed_nothing_ends_unavailable_when_the_worker_is_not
         assert worker.initializations == 2
         outputs = await collect(engine.add_request(request("after", prompt)))
         assert tokens_of(outputs) == reference_generation(prompt, 6, VOCAB)
-        assert 'prefixcache_requests_finished_total{finish_reason="error"} 1.0' in engine.metrics.exposition().decode()
+        assert 'prefixcache_requests_finished_total{finish_reason="error",model_name="sim-model"} 1.0' in engine.metrics.exposition().decode()
 
     run(body)
 
@@ -142,7 +142,7 @@ def test_a_request_held_for_a_lost_worker_can_still_be_ended(ended_by):
         while engine.is_serving:
             await asyncio.sleep(0.01)
         assert engine.num_waiting == 1  # held, and visible as waiting (stats, metrics, idle checks)
-        assert "prefixcache_requests_waiting 1.0" in engine.metrics.exposition().decode()
+        assert 'prefixcache_requests_waiting{model_name="sim-model"} 1.0' in engine.metrics.exposition().decode()
         if ended_by == "client":
             engine.abort("held")
             outputs = await collect(stream)

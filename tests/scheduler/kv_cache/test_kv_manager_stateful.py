@@ -204,6 +204,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         stats = self.manager.stats()
         assert (stats.queries, stats.hits, stats.evictions, stats.cached_blocks, stats.free_blocks) == (
             reference.queries, reference.hits, reference.evictions, len(hashed), len(free))
+        assert stats.idle_cached_blocks == len([b for b in free if pool.block_hashes[b] is not None])
         hasher = self.manager.hasher
         for request in (*self.running.values(), *self.waiting.values()):
             assert self.manager.get_block_ids(request.request_id) == reference.blocks.get(request.request_id, [])

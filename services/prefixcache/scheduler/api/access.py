@@ -19,6 +19,7 @@ from grpc import aio
 from prefixcache.rpc.quoting import quoted
 from prefixcache.scheduler.api.codec import InvalidRequest
 from prefixcache.scheduler.tenancy import ANONYMOUS, Identity, TenantRegistry, Unauthenticated
+from prefixcache.scheduler.tenancy.identity import Role
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,14 @@ async def identify(registry: TenantRegistry | None, context: aio.ServicerContext
         log.debug("refused a call from %s: %s", context.peer(), error)
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(error))
         raise  # abort raises; this only tells type checkers that nothing follows
+
+
+async def require_admin(registry: TenantRegistry | None, context: aio.ServicerContext, action: str) -> None:
+    """End the call PERMISSION_DENIED unless its caller may see or change the whole cache: an admin,
+    or anyone where no tenants are configured. `action` completes "… takes an admin credential"."""
+    identity = await identify(registry, context)
+    if identity.role is Role.TENANT:
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"authorization: {action} takes an admin credential")
 
 
 def engine_request_id(identity: Identity, request_id: str) -> str:

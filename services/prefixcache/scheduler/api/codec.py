@@ -93,9 +93,11 @@ def check_stop_strings(stops: list[str]) -> None:
 
 
 def engine_request(request_id: str, request: pb.GenerateRequest, prompt_ids: list[int], *,
-                   capacity_tokens: int, cache_salt: str | None, tenant: str = "") -> EngineRequest:
+                   capacity_tokens: int, cache_salt: str | None, tenant: str = "",
+                   trace_context: object | None = None, arrival_ns: int | None = None) -> EngineRequest:
     """The engine's request. Without max_tokens it generates as many tokens as `capacity_tokens`
-    (what both the model's length and the KV cache hold) leaves room for after the prompt."""
+    (what both the model's length and the KV cache hold) leaves room for after the prompt.
+    `trace_context` and `arrival_ns`: its span's context and when its call arrived."""
     options = request.sampling
     sampling = SamplingParams(
         temperature=options.temperature if options.HasField("temperature") else 1.0,
@@ -114,6 +116,8 @@ def engine_request(request_id: str, request: pb.GenerateRequest, prompt_ids: lis
         ignore_eos=options.ignore_eos,
         extras=BlockExtras(cache_salt=cache_salt),
         tenant=tenant,
+        trace_context=trace_context,
+        arrival_ns=arrival_ns,
     )
 
 

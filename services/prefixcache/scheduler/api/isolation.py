@@ -45,3 +45,14 @@ def request_salt(request: pb.GenerateRequest, tenants: TenantSalts, identity: Id
     if request.HasField("tenant"):
         return tenants.salt_for(request.tenant)
     return None
+
+
+def isolation_attributes(request: pb.GenerateRequest, tenants: TenantSalts, identity: Identity) -> dict[str, str]:
+    """The span's `prefix_cache.isolation` (tenant, cache_salt or none) and, for the first two,
+    `prefix_cache.tenant`: the domain's one-way label (`TenantSalts.label_for`), never the value itself."""
+    if identity.role is not Role.ANONYMOUS:
+        return {"prefix_cache.isolation": "tenant", "prefix_cache.tenant": identity.label}
+    kind = request.WhichOneof("isolation")
+    if kind is None:
+        return {"prefix_cache.isolation": "none"}
+    return {"prefix_cache.isolation": kind, "prefix_cache.tenant": tenants.label_for(getattr(request, kind), kind)}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -29,7 +30,14 @@ from prefixcache.protos.engine.v1 import engine_pb2_grpc as pb_grpc
 from prefixcache.rpc.client import status_of
 from prefixcache.rpc.quoting import quoted
 from prefixcache.rpc.tracing import SpanRegistry, iterate_in_context, quiet_span
-from prefixcache.scheduler.api.access import OpenCalls, TenantBusy, TenantCounters, engine_request_id, identify
+from prefixcache.scheduler.api.access import (
+    OpenCalls,
+    TenantBusy,
+    TenantCounters,
+    engine_request_id,
+    identify,
+    require_admin,
+)
 from prefixcache.scheduler.api.codec import (
     DEFAULT_MAX_PROMPT_BYTES,
     MAX_REQUEST_ID_BYTES,
@@ -42,8 +50,8 @@ from prefixcache.scheduler.api.codec import (
     engine_request,
     public_field,
 )
-from prefixcache.scheduler.api.isolation import request_salt
-from prefixcache.scheduler.api.spans import request_attributes
+from prefixcache.scheduler.api.isolation import isolation_attributes, request_salt
+from prefixcache.scheduler.api.spans import request_attributes, request_span_name, traced_context
 from prefixcache.scheduler.api.stream import ResponseStream
 from prefixcache.scheduler.engine import EngineCore, EngineUnavailable, QueueFull, RequestOutput, RequestRejected
 from prefixcache.scheduler.engine.admission import check_prompt_length
@@ -131,9 +139,7 @@ class EngineServicer(pb_grpc.EngineServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         # The span is current only while each response is computed (see `iterate_in_context`).
         attributes = request_attributes(call.engine_id, request, self._engine.config, self._engine.worker_info)
-        if call.identity.label:
-            attributes["prefixcache.tenant.label"] = call.identity.label
-        with quiet_span(_tracer, "generate", current=False, attributes=attributes) as span:
+        with quiet_span(_tracer, request_span_name(attributes), current=False, attributes=attributes) as span:
             responses = iterate_in_context(self._responses(call, request, context, span),
                                            trace.set_span_in_context(span))
             async with contextlib.aclosing(responses):  # closes `_responses`, which annotates the span
@@ -144,15 +150,18 @@ class EngineServicer(pb_grpc.EngineServicer):
         self, call: _Call, request: pb.GenerateRequest, context: aio.ServicerContext, span: trace.Span
     ) -> AsyncIterator[pb.GenerateResponse]:
         request_id = call.engine_id
+        arrival_ns = time.time_ns()
         try:
             check_served(request)
             check_stop_strings(list(request.sampling.stop))
             salt = request_salt(request, self._tenants, call.identity)
+            span.set_attributes(isolation_attributes(request, self._tenants, call.identity))
             check_prompt_bytes(request, self._max_prompt_bytes)
             tokenizer_id = self._expected_tokenizer_id()  # the same for the prompt and the reply
             prompt_ids = await self._prompt_ids(request, tokenizer_id)
             submitted = engine_request(request_id, request, prompt_ids, capacity_tokens=self._engine.capacity_tokens,
-                                       cache_salt=salt, tenant=call.identity.label)
+                                       cache_salt=salt, tenant=call.identity.label,
+                                       trace_context=traced_context(span), arrival_ns=arrival_ns)
             detokenizer = self._tokenizer.detokenizer(prompt_ids, tokenizer_id)
             if request.WhichOneof("prompt") == "token_ids":  # the tokenizer is checked before the prefill
                 self._engine.validate(submitted)  # the ids, before the tokenizer sees them
@@ -184,7 +193,8 @@ class EngineServicer(pb_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, _tokenizer_failed(request_id, code, details))
         span.set_attribute("gen_ai.usage.input_tokens", len(prompt_ids))
 
-        stream = ResponseStream(call.request_id, request_id, self._engine, detokenizer, list(request.sampling.stop))
+        stream = ResponseStream(call.request_id, request_id, self._engine, detokenizer, list(request.sampling.stop),
+                                arrival_ns, self._request_spans)
         self._request_spans.add(request_id, span)
         failed = False  # the call ends UNAVAILABLE for a fault of ours the engine did not see
         lost = False  # the engine lost the worker: it ended the request and counted it
@@ -248,6 +258,7 @@ class EngineServicer(pb_grpc.EngineServicer):
                                  query_tokens=own.query_tokens, hit_tokens=own.hit_tokens)
         try:
             stats = self._engine.cache_stats()
+            lookups = self._engine.lookups
         except EngineUnavailable as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         return pb.CacheStats(
@@ -263,16 +274,18 @@ class EngineServicer(pb_grpc.EngineServicer):
             evictions=stats.evictions,
             running_requests=self._engine.num_running,
             waiting_requests=self._engine.num_waiting,
+            missed_tokens_by_reason=lookups.missed_tokens,
+            lookups=lookups.lookups,
+            evicted_lookups=lookups.evicted_lookups,
+            idle_cached_blocks=stats.idle_cached_blocks,
+            model_name=self._engine.worker_info.model_id,
         )
 
     async def ResetPrefixCache(
         self, request: pb.ResetPrefixCacheRequest, context: aio.ServicerContext
     ) -> pb.ResetPrefixCacheResponse:
         """Every tenant's cached prefixes go: an admin's call (or anyone's without tenants)."""
-        identity = await identify(self._registry, context)
-        if identity.role is Role.TENANT:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                "authorization: resetting the prefix cache takes an admin credential")
+        await require_admin(self._registry, context, "resetting the prefix cache")
         return pb.ResetPrefixCacheResponse(reset=self._engine.reset_prefix_cache())
 
     async def Describe(self, request: pb.DescribeRequest, context: aio.ServicerContext) -> pb.EngineDescription:

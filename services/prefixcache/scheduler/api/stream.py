@@ -2,16 +2,24 @@
 by the tokenizer service), cut at a stop string, and the summary its span and the metrics record."""
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 from opentelemetry import trace
 
 from prefixcache.protos.engine.v1 import engine_pb2 as pb
+from prefixcache.rpc.tracing import SpanRegistry
 from prefixcache.scheduler.api.codec import FINISH_REASONS, account_to_proto
-from prefixcache.scheduler.api.spans import eviction_attributes
+from prefixcache.scheduler.api.spans import (
+    account_attributes,
+    add_phase_spans,
+    eviction_attributes,
+    evictor_link,
+    storer_links,
+)
 from prefixcache.scheduler.engine import EngineCore, RequestOutput
 from prefixcache.scheduler.kv_cache import CacheAccount, EvictionBatch
-from prefixcache.scheduler.request import FINISH_ABORT, FINISH_STOP
+from prefixcache.scheduler.request import FINISH_ABORT, FINISH_STOP, RequestTimeline
 from prefixcache.scheduler.stop_strings import StopStringMatcher
 from prefixcache.scheduler.tokenizer_client import StreamingDetokenizer
 from prefixcache.step.codec import logprobs_to_proto
@@ -21,10 +29,14 @@ class ResponseStream:
     """Turns one request's engine outputs into responses: text, stop strings, the final summary."""
 
     def __init__(self, request_id: str, engine_id: str, engine: EngineCore, detokenizer: StreamingDetokenizer,
-                 stops: list[str]):
+                 stops: list[str], arrival_ns: int, step_spans: SpanRegistry | None = None):
         self._request_id = request_id  # the client's, echoed in every response
         self._engine_id = engine_id  # the engine's (`access.engine_request_id`)
         self._engine = engine
+        self._arrival_ns = arrival_ns
+        self._step_spans = step_spans or SpanRegistry()
+        self.first_token_ns: int | None = None  # when the first token ids were sent to the client
+        self.timeline: RequestTimeline | None = None
         self._detokenizer = detokenizer
         self._stops = StopStringMatcher(stops)
         # The stream, not the engine, tells the metrics why the request ended: as the client was
@@ -84,6 +96,8 @@ class ResponseStream:
     def _response(self, output: RequestOutput, text: str, reason: str | None,
                   with_tokens: bool = True) -> pb.GenerateResponse:
         response = pb.GenerateResponse(request_id=self._request_id, text=text)
+        if with_tokens and output.new_token_ids and self.first_token_ns is None:
+            self.first_token_ns = time.time_ns()
         if with_tokens:
             response.token_ids.extend(output.new_token_ids)
             response.logprobs.extend(logprobs_to_proto(logprobs) for logprobs in output.logprobs)
@@ -105,13 +119,14 @@ class ResponseStream:
         await self._detokenizer.close()
 
     def annotate(self, span: trace.Span) -> None:
-        """Usage, cache account and evictions on the request's span (hashes only, never text).
+        """Usage, time to first token, cache account, evictions and the request's phases on its span
+        (hashes only, never text).
 
         A stream that ended before its final response reports the tokens it delivered and the
         reason it was counted under ("error" for a failed call, "abort" for a client that left)."""
         span.set_attribute("gen_ai.usage.output_tokens", self.delivered_tokens)
-        if self.account is not None:
-            span.set_attribute("gen_ai.usage.cache_read.input_tokens", self.account.hit_tokens)
+        if self.first_token_ns is not None:  # named as the GenAI conventions' server metric, in seconds
+            span.set_attribute("gen_ai.server.time_to_first_token", (self.first_token_ns - self._arrival_ns) / 1e9)
         if self._stops.stopped:
             reason = "stop"
         elif self.finished and self.last is not None and self.last.finish_reason is not None:
@@ -119,12 +134,20 @@ class ResponseStream:
         else:
             reason = self._unread_reason or FINISH_ABORT
         span.set_attribute("gen_ai.response.finish_reasons", [reason])
+        if not span.is_recording():
+            return
+        timeline = self.timeline
         if self.account is not None:
-            span.set_attribute("prefix_cache.blocks_queried", self.account.queried_blocks)
-            span.set_attribute("prefix_cache.blocks_matched", self.account.hit_blocks)
-            span.set_attribute("prefix_cache.miss_reason", self.account.miss_reason)
-        for batch in self.evictions if span.is_recording() else ():
+            lookup_ns = timeline.lookup_ns if timeline is not None and timeline.lookup_ns else time.time_ns()
+            span.set_attributes(account_attributes(self.account, lookup_ns))
+            if (link := evictor_link(self.account)) is not None:
+                span.add_link(link.context, link.attributes)
+        for batch in self.evictions:
             span.add_event("prefix_cache.eviction", eviction_attributes(batch), timestamp=batch.evicted_at_ns)
+        for link in storer_links(self.evictions):
+            span.add_link(link.context, link.attributes)
+        if timeline is not None:
+            add_phase_spans(span, timeline, self._step_spans)
 
     def absorb(self, output: RequestOutput | None) -> None:
         """Take an output's cache account and evictions for the span: each output streamed, and
@@ -133,6 +156,8 @@ class ResponseStream:
             return
         if output.finish_reason is not None:
             self._engine_finish_reason = output.finish_reason
+        if output.timeline is not None:
+            self.timeline = output.timeline
         self.evictions.extend(output.evictions)
         if output.cache_account is not None:
             self.account = output.cache_account

@@ -27,7 +27,7 @@ from prefixcache.scheduler.engine.admission import check_fits_worker, effective_
 from prefixcache.scheduler.engine.errors import EngineUnavailable, QueueFull, RequestRejected
 from prefixcache.scheduler.engine.executor import StepExecutor, WorkerInfo, WorkerUnavailable
 from prefixcache.scheduler.engine.recovery import WORKER_LOST, WorkerRecovery
-from prefixcache.scheduler.kv_cache import CacheStats, KVCacheManager
+from prefixcache.scheduler.kv_cache import CacheStats, Diagnosis, KVCacheManager, KvEventLog, LookupLog, diagnose
 from prefixcache.scheduler.metrics import SchedulerMetrics
 from prefixcache.scheduler.policy import SchedulingPolicy
 from prefixcache.scheduler.request import FINISH_ABORT, EngineRequest, RequestOutput, Usage
@@ -62,6 +62,8 @@ class EngineCore:
         self._executor = executor
         self._policy: SchedulingPolicy | None = None
         self._worker_info: WorkerInfo | None = None
+        # The stream of cached hashes outlives a worker loss (it reports the loss as a new epoch).
+        self.kv_events = KvEventLog()
         self._streams: dict[str, asyncio.Queue[RequestOutput | Exception]] = {}
         self._recovery = WorkerRecovery(lambda: self._executor.initialize(self.config.block_size), self._fail_stream)
         self._wakeup = asyncio.Event()
@@ -178,7 +180,7 @@ class EngineCore:
         self._streams[request.request_id] = queue
         self._idle.clear()
         self._wakeup.set()
-        self.metrics.request_added(len(request.prompt_token_ids))
+        self.metrics.request_added(request)
         return self._stream(request.request_id, queue, on_abandon)
 
     async def _stream(
@@ -258,16 +260,39 @@ class EngineCore:
         """Drop every cached hash. Refused (False) while any request holds blocks."""
         return self._policy is not None and self._policy.kv_cache.reset_prefix_cache()
 
+    def cached_blocks(self) -> tuple[int, int, list[bytes]]:
+        """(epoch, the last KV events batch's sequence number, every cached hash): the state a reader of
+        the KV events stream has once it has applied that batch."""
+        if self._policy is None:
+            raise EngineUnavailable("the engine has not started")
+        self._policy.kv_cache.publish_events()
+        return self.kv_events.epoch, self.kv_events.last_seq, self._policy.kv_cache.cached_hashes()
+
+    @property
+    def lookups(self) -> LookupLog:
+        """Every first lookup since start, counted, the newest kept (they outlive a worker loss)."""
+        if self._policy is None:
+            raise EngineUnavailable("the engine has not started")
+        return self._policy.counters.lookups
+
+    def diagnose(self, window: int) -> Diagnosis:
+        """The newest `window` first lookups, judged against today's cache (`kv_cache.diagnosis`)."""
+        info = self._worker_info
+        if info is None:
+            raise EngineUnavailable("the engine has not started")
+        return diagnose(self.lookups.last(window), info.num_kv_blocks, self.config.block_size, info.kv_bytes_per_token)
+
     # ---- the step loop --------------------------------------------------------------------------
 
     def _install_worker(self, info: WorkerInfo) -> None:
         """Size a fresh KV cache manager (no cached hashes) from the worker's description."""
         hasher = BlockHasher(self.config.block_size, self.config.hash_algo, info.model_id)
-        kv_cache = KVCacheManager(info.num_kv_blocks, hasher, enable_caching=self.config.enable_prefix_caching)
+        kv_cache = KVCacheManager(info.num_kv_blocks, hasher, enable_caching=self.config.enable_prefix_caching,
+                                  events=self.kv_events)
         counters = self._policy.counters if self._policy else None
         self._worker_info = info
         self._policy = SchedulingPolicy(self.config, kv_cache, info.eos_token_ids, self.max_model_len, counters)
-        self.metrics.bind(self._policy, held=lambda: self._recovery.num_held)
+        self.metrics.bind(self._policy, held=lambda: self._recovery.num_held, model_name=info.model_id)
 
     async def _step_loop(self) -> None:
         """Schedule, execute, apply, deliver. While a step runs, the next one is scheduled and sent
@@ -349,7 +374,7 @@ class EngineCore:
 
     def _fail_stream(self, request_id: str, message: str) -> None:
         """End a request's stream with EngineUnavailable (it has no final output to count it)."""
-        self.metrics.request_failed()
+        self.metrics.request_failed(request_id)
         self._streams[request_id].put_nowait(EngineUnavailable(message))
         self._end_stream(request_id)
 

@@ -20,6 +20,7 @@ class WorkerInfo:
     dtype: str = ""
     supports_multimodal: bool = False
     tokenizer_id: str = ""  # of the model's tokenizer.json; "" when unknown
+    kv_bytes_per_token: int = 0  # KV memory one token takes, all layers; 0 when unknown
 
 
 class WorkerUnavailable(Exception):

@@ -3,52 +3,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from collections.abc import Sequence
+from typing import Literal
 
+from prefixcache.scheduler.kv_cache.eviction_history import EvictionBatch, EvictionHistory, EvictionRecord, RequestRef
 from prefixcache.scheduler.kv_cache.free_queue import FreeBlockQueue
-
-
-class EvictionEvent(NamedTuple):
-    """A cached block lost its hash: its KV can no longer be reused."""
-
-    block_hash: bytes
-    block_id: int
-    evicting_request_id: str | None  # whose allocation took the block; None for a reset
-    storing_request_id: str  # the request whose tokens filled the block
-    reason: Literal["allocation", "reset"] = "allocation"
-
-
-@dataclass(frozen=True, slots=True)
-class EvictionBatch:
-    """The blocks one allocation (or a reset) evicted, in eviction order.
-
-    Kept as parallel lists and turned into `EvictionEvent`s only when iterated: an allocation at a
-    0% hit rate can evict thousands of blocks, and most batches are only counted (an event object
-    per block cost about a fifth of a 32k-token request's cache work).
-    """
-
-    evicting_request_id: str | None  # whose allocation took the blocks; None for a reset
-    reason: Literal["allocation", "reset"]
-    block_ids: list[int]
-    block_hashes: list[bytes]
-    storing_request_ids: list[str]  # per block, the request whose tokens filled it
-    evicted_at_ns: int  # wall clock (time.time_ns) when the blocks lost their hashes
-
-    def __len__(self) -> int:
-        return len(self.block_ids)
-
-    def __iter__(self) -> Iterator[EvictionEvent]:
-        for block_hash, block_id, storing_request_id in zip(self.block_hashes, self.block_ids,
-                                                            self.storing_request_ids):
-            yield EvictionEvent(block_hash, block_id, self.evicting_request_id, storing_request_id, self.reason)
-
-    def last(self, count: int) -> EvictionBatch:
-        """The batch's last `count` evictions."""
-        start = len(self.block_ids) - count
-        return EvictionBatch(self.evicting_request_id, self.reason, self.block_ids[start:],
-                             self.block_hashes[start:], self.storing_request_ids[start:], self.evicted_at_ns)
+from prefixcache.scheduler.kv_cache.kv_events import KvEventLog
 
 
 class BlockPool:
@@ -61,22 +21,26 @@ class BlockPool:
       same time produce two blocks with one hash; block tables are append-only, so neither is
       merged away: the later ones wait in `_duplicates` and the oldest takes over when the block
       in `cached` is evicted.
+    - `history` remembers who evicted each recently evicted hash, so a miss can be explained as
+      "evicted" (and by whom) rather than "cold".
+    - `events`, when given, hears of every hash no block holds any more (the KV events stream).
     """
 
-    def __init__(self, num_blocks: int, evicted_history: int, max_pending_events: int) -> None:
+    def __init__(self, num_blocks: int, evicted_history: int, max_pending_events: int,
+                 events: KvEventLog | None = None) -> None:
         self.num_blocks = num_blocks
         self.ref_counts: list[int] = [0] * num_blocks
         self.block_hashes: list[bytes | None] = [None] * num_blocks
-        # block id -> the request that cached it; meaningful only while the block holds a hash
-        self.stored_by: list[str | None] = [None] * num_blocks
+        # Per block, the request that cached it and when; meaningful only while the block holds a hash.
+        self.stored_by: list[RequestRef | None] = [None] * num_blocks
+        self.stored_at_ns: list[int] = [0] * num_blocks
         self.free_queue = FreeBlockQueue(range(num_blocks))
         self.cached: dict[bytes, int] = {}  # hash -> a block holding it
         self._duplicates: dict[bytes, list[int]] = {}  # hash -> further blocks holding it
         self.num_cached_blocks = 0
-        # Hashes recently evicted, so a miss can be explained as "evicted" rather than "cold".
-        self._evicted_current: set[bytes] = set()
-        self._evicted_previous: set[bytes] = set()
-        self._evicted_history = max(evicted_history, 1)
+        self.num_idle_cached_blocks = 0  # cached and held by no request (in the free queue)
+        self.history = EvictionHistory(max(evicted_history, 1))
+        self.events = events
         self._pending_batches: deque[EvictionBatch] = deque()
         self._num_pending_events = 0
         self._max_pending_events = max_pending_events
@@ -97,11 +61,13 @@ class BlockPool:
     def touch(self, block_ids: Sequence[int]) -> None:
         """Take a reference on cache-hit blocks, unlinking free ones from the free queue."""
         ref_counts = self.ref_counts
-        self.free_queue.remove_n([b for b in block_ids if ref_counts[b] == 0])
+        idle = [b for b in block_ids if ref_counts[b] == 0]
+        self.free_queue.remove_n(idle)
+        self.num_idle_cached_blocks -= len(idle)  # a hit block holds a hash
         for block_id in block_ids:
             ref_counts[block_id] += 1
 
-    def allocate(self, count: int, request_id: str) -> list[int]:
+    def allocate(self, count: int, requester: RequestRef) -> list[int]:
         """Pop `count` blocks from the head of the free queue, evicting the hashes they held."""
         block_ids = self.free_queue.popleft_n(count)
         ref_counts, block_hashes = self.ref_counts, self.block_hashes
@@ -109,11 +75,12 @@ class BlockPool:
             ref_counts[block_id] = 1
         evicted = [b for b in block_ids if block_hashes[b] is not None]
         if evicted:
-            self._evict(evicted, request_id, "allocation")
+            self._evict(evicted, requester, "allocation")
         return block_ids
 
-    def _evict(self, block_ids: list[int], request_id: str | None, reason: Literal["allocation", "reset"]) -> None:
-        """Clear the hashes of `block_ids`, recording them as one pending batch, in order."""
+    def _evict(self, block_ids: list[int], requester: RequestRef | None,
+               reason: Literal["allocation", "reset"]) -> None:
+        """Clear the hashes of `block_ids` (free blocks), recording them as one pending batch, in order."""
         block_hashes, cached = self.block_hashes, self.cached
         hashes = list(map(block_hashes.__getitem__, block_ids))
         for block_id in block_ids:
@@ -123,12 +90,16 @@ class BlockPool:
         else:  # the common case, in bulk: every hash had this one block
             deque(map(cached.__delitem__, hashes), maxlen=0)
             lost = hashes
-        if reason == "allocation":  # a reset is no eviction pressure: what it drops misses as "cold"
-            self._remember_evictions(lost)
+        batch = EvictionBatch(requester, reason, block_ids, hashes, list(map(self.stored_by.__getitem__, block_ids)),
+                              list(map(self.stored_at_ns.__getitem__, block_ids)), time.time_ns())
+        if requester is not None:  # a reset is no eviction pressure: what it drops misses as "cold"
+            self.history.add(batch)
             self.num_evictions += len(block_ids)
+            if self.events is not None:
+                self.events.removed(lost)
         self.num_cached_blocks -= len(block_ids)
-        self._add_pending(EvictionBatch(request_id, reason, block_ids, hashes,
-                                        list(map(self.stored_by.__getitem__, block_ids)), time.time_ns()))
+        self.num_idle_cached_blocks -= len(block_ids)
+        self._add_pending(batch)
 
     def _add_pending(self, batch: EvictionBatch) -> None:
         """Queue a batch for `take_events`, dropping the oldest events beyond the bound."""
@@ -158,22 +129,18 @@ class BlockPool:
             del self._duplicates[block_hash]
         return False
 
-    def _remember_evictions(self, hashes: list[bytes]) -> None:
-        """Two generations of evicted hashes: at least the last `evicted_history` are remembered."""
-        self._evicted_current.update(hashes)
-        if len(self._evicted_current) >= self._evicted_history:
-            self._evicted_previous, self._evicted_current = self._evicted_current, set()
+    def eviction_of(self, block_hash: bytes) -> EvictionRecord | None:
+        """Who evicted `block_hash` and when, if it was cached and evicted recently (see `history`)."""
+        return self.history.get(block_hash)
 
-    def was_evicted(self, block_hash: bytes) -> bool:
-        """Whether `block_hash` was cached and evicted recently (see `_remember_evictions`)."""
-        return block_hash in self._evicted_current or block_hash in self._evicted_previous
-
-    def cache(self, block_ids: Sequence[int], block_hashes: Sequence[bytes], request_id: str) -> None:
-        """Record that full blocks hold the KV of `block_hashes`; they become reusable."""
-        hashes, stored_by, cached = self.block_hashes, self.stored_by, self.cached
+    def cache(self, block_ids: Sequence[int], block_hashes: Sequence[bytes], storer: RequestRef) -> None:
+        """Record that full blocks (held by `storer`) hold the KV of `block_hashes`; they become reusable."""
+        hashes, stored_by, stored_at, cached = self.block_hashes, self.stored_by, self.stored_at_ns, self.cached
+        now = time.time_ns()
         for block_id, block_hash in zip(block_ids, block_hashes):
             hashes[block_id] = block_hash
-            stored_by[block_id] = request_id
+            stored_by[block_id] = storer
+            stored_at[block_id] = now
         if cached.keys().isdisjoint(block_hashes):
             cached.update(zip(block_hashes, block_ids))
         else:  # another request cached some of these hashes first: keep both blocks
@@ -198,15 +165,15 @@ class BlockPool:
                 (unhashed if block_hashes[block_id] is None else hashed).append(block_id)
         self.free_queue.append_n(hashed)
         self.free_queue.push_front_n(unhashed)
+        self.num_idle_cached_blocks += len(hashed)
 
     def reset(self) -> bool:
         """Forget every cached hash, and which were evicted (later misses are "cold"); refuses
-        (False) while any block is in use."""
+        (False) while any block is in use. The caller tells `events` (a new epoch)."""
         if len(self.free_queue) != self.num_blocks:
             return False
         self._evict([b for b, h in enumerate(self.block_hashes) if h is not None], None, "reset")
-        self._evicted_current.clear()  # nothing evicted before is in the cache either: cold again
-        self._evicted_previous.clear()
+        self.history.clear()  # nothing evicted before is in the cache either: cold again
         return True
 
     def take_events(self) -> list[EvictionBatch]:

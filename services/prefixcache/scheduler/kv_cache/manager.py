@@ -15,13 +15,19 @@ Blocks layout of a request while it runs (allocate_slots):
 """
 from __future__ import annotations
 
+import math
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from prefixcache.block_identity.hash_memo import BlockHashMemo
 from prefixcache.block_identity.hashing import NO_EXTRAS, BlockExtras, BlockHash, BlockHasher
-from prefixcache.scheduler.kv_cache.block_pool import BlockPool, EvictionBatch
+from prefixcache.scheduler.kv_cache.block_pool import BlockPool
+from prefixcache.scheduler.kv_cache.eviction_history import EvictionBatch, EvictionRecord, RequestRef
+from prefixcache.scheduler.kv_cache.kv_events import KvEventLog
+from prefixcache.scheduler.kv_cache.lookup_log import WHAT_IF_FACTORS, LookupRecord
+from prefixcache.scheduler.kv_cache.stack_distance import StackDistances
 
 # Blocks per generation of the hash memo (two generations of at most this many entries, about
 # 200 bytes each at block size 16): a million tokens of popular prefixes recalled without hashing.
@@ -46,6 +52,11 @@ class KVRequest:
     # Set by the manager once its first allocation is in the query and hit counters, so the
     # recompute after a preemption (free, then allocate again) is not counted twice.
     counted: bool = False
+    trace_context: object | None = None  # its span's, when traced: evictions and stores link to it
+    ref: RequestRef = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.ref = RequestRef(self.request_id, self.trace_context)
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +79,10 @@ class CacheAccount:
     miss_reason: MissReason
     hit_blocks: int
     queried_blocks: int  # full blocks looked up
+    # The first full block the lookup did not find (none for a full hit), and, for an "evicted"
+    # miss, who evicted it and when. Not part of the account's equality: they explain it.
+    first_missing_block: bytes | None = field(default=None, compare=False)
+    eviction: EvictionRecord | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -83,6 +98,7 @@ class CacheStats:
     hits: int
     evictions: int  # cached blocks evicted to make room (not those a reset dropped)
     events_dropped: int  # eviction events lost because nobody drained them
+    idle_cached_blocks: int = 0  # cached blocks no request holds: the next to be evicted, oldest first
 
 
 class KVCacheManager:
@@ -98,16 +114,23 @@ class KVCacheManager:
         num_blocks: blocks in the pool, ids 0..num_blocks-1 (all usable: there is no null block).
         hasher: names blocks; its block size is the manager's.
         enable_caching: False hashes nothing and reuses nothing.
-        evicted_history: how many evicted hashes, at least, are remembered to tell an "evicted"
-            miss from a "cold" one (default: 4 x num_blocks, at least 1024).
+        evicted_history: how many evicted hashes are remembered, with who evicted them and when,
+            to tell an "evicted" miss from a "cold" one and explain it (default: 4 x num_blocks,
+            at least 1024).
         max_pending_events: eviction events kept until `drain_events`; older ones are dropped
             and counted in `CacheStats.events_dropped`.
+        events: the KV events stream to report stored, removed and cleared hashes to.
+
+    Released blocks also feed an LRU stack of block hashes, `max(WHAT_IF_FACTORS)` x num_blocks
+    deep (`stack_distance.py`), from which `lookup_record` tells what larger or smaller caches would
+    have hit.
 
     Not thread-safe: one scheduler loop owns it.
     """
 
     def __init__(self, num_blocks: int, hasher: BlockHasher, enable_caching: bool = True,
-                 evicted_history: int | None = None, max_pending_events: int = 65536) -> None:
+                 evicted_history: int | None = None, max_pending_events: int = 65536,
+                 events: KvEventLog | None = None) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
         if not isinstance(hasher, BlockHasher):
@@ -119,7 +142,10 @@ class KVCacheManager:
         self.hasher = hasher
         self.block_size = hasher.block_size
         self.enable_caching = enable_caching
-        self._pool = BlockPool(num_blocks, evicted_history, max_pending_events)
+        self._pool = BlockPool(num_blocks, evicted_history, max_pending_events, events)
+        self._events = events
+        self._what_if_blocks = [round(factor * num_blocks) for factor in WHAT_IF_FACTORS]
+        self._stack = StackDistances(math.ceil(max(WHAT_IF_FACTORS) * num_blocks))
         # Recalling a hash is cheaper than computing it with sha256, not with xxhash (hash_memo.py).
         self._hash_memo = (BlockHashMemo(self.block_size, capacity=min(num_blocks, MAX_HASH_MEMO_BLOCKS))
                            if enable_caching and hasher.algo == "sha256" else None)
@@ -169,15 +195,26 @@ class KVCacheManager:
         num_hit = min(num_found, (num_tokens - 1) // block_size)
         if num_remembered < num_found:
             memo.remember(request.token_ids, request.extras, hashes, num_remembered, num_found)
-        if num_found == num_full:
-            reason: MissReason = "full_hit"
-        elif self._pool.was_evicted(hashes[num_found]):
-            reason = "evicted"
-        else:
-            reason = "cold"
+        missing = hashes[num_found] if num_found < num_full else None
+        eviction = self._pool.eviction_of(missing) if missing is not None else None
+        reason: MissReason = "full_hit" if missing is None else "evicted" if eviction is not None else "cold"
         account = CacheAccount(num_tokens, num_hit * block_size, (num_found - num_hit) * block_size, tail,
-                               reason, num_hit, num_full)
+                               reason, num_hit, num_full, missing, eviction)
         return found[:num_hit], account
+
+    def lookup_record(self, request: KVRequest, account: CacheAccount) -> LookupRecord:
+        """A request's first lookup as `LookupLog` keeps it, with what an LRU cache of each size in
+        `WHAT_IF_FACTORS` would have served (from the stack distances its blocks have now)."""
+        block_size = self.block_size
+        hashes = request.block_hashes[: account.queried_blocks]
+        reach = self._stack.reach(hashes, self._what_if_blocks[-1])
+        most = (account.queried_tokens - 1) // block_size
+        what_if = tuple(min(bisect_left(reach, blocks), most) * block_size for blocks in self._what_if_blocks)
+        evicted = account.eviction
+        return LookupRecord(account.queried_tokens, account.hit_tokens, account.capped_tokens,
+                            account.partial_tail_tokens, account.miss_reason, what_if,
+                            first_block_hash=hashes[0] if evicted is not None else None,
+                            evicted_age_ns=evicted.age_ns if evicted is not None else None)
 
     def _update_hashes(self, request: KVRequest) -> list[BlockHash]:
         """Extend `request.block_hashes` to cover every full block of its tokens."""
@@ -219,7 +256,7 @@ class KVCacheManager:
             return None
         if hits:
             pool.touch(hits)
-        new_blocks = pool.allocate(num_needed, request_id)
+        new_blocks = pool.allocate(num_needed, request.ref)
         if held is None:
             held = self._blocks[request_id] = hits
             self._num_cached[request_id] = len(hits)
@@ -249,15 +286,23 @@ class KVCacheManager:
         num_cached = self._num_cached[request.request_id]
         if num_full > num_cached:
             hashes = self._update_hashes(request)
-            self._pool.cache(blocks[num_cached:num_full], hashes[num_cached:num_full], request.request_id)
+            stored = hashes[num_cached:num_full]
+            self._pool.cache(blocks[num_cached:num_full], stored, request.ref)
             self._num_cached[request.request_id] = num_full
+            if self._events is not None:
+                extras = request.extras
+                self._events.stored(stored, hashes[num_cached - 1] if num_cached else None, self.block_size,
+                                    lora=extras.lora_name is not None, multimodal=bool(extras.mm_items))
 
     def free(self, request_id: str) -> None:
         """Release a request's blocks, last block first. A request holding none is a no-op."""
         blocks = self._blocks.pop(request_id, None)
         self._num_cached.pop(request_id, None)
         if blocks:
-            self._pool.free(blocks[::-1])
+            released = blocks[::-1]
+            self._pool.free(released)
+            if self.enable_caching:
+                self._stack.release([h for h in map(self._pool.block_hashes.__getitem__, released) if h is not None])
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's blocks in token order (empty if it holds none)."""
@@ -271,7 +316,19 @@ class KVCacheManager:
             return False
         if self._hash_memo is not None:
             self._hash_memo.clear()
+        self._stack.clear()  # a reset drops what any cache size would have kept
+        if self._events is not None:
+            self._events.cleared()
         return True
+
+    def publish_events(self) -> None:
+        """Seal the KV events since the last call into one batch of the stream (one per step)."""
+        if self._events is not None:
+            self._events.publish()
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash some block holds now: the set the KV events stream describes."""
+        return list(self._pool.cached)
 
     def drain_events(self) -> list[EvictionBatch]:
         """Evictions since the last drain, one batch per evicting allocation (or reset), oldest
@@ -296,4 +353,5 @@ class KVCacheManager:
         free = pool.num_free_blocks
         return CacheStats(num_blocks=pool.num_blocks, free_blocks=free, used_blocks=pool.num_blocks - free,
                           cached_blocks=pool.num_cached_blocks, queries=self._queries, hits=self._hits,
-                          evictions=pool.num_evictions, events_dropped=pool.events_dropped)
+                          evictions=pool.num_evictions, events_dropped=pool.events_dropped,
+                          idle_cached_blocks=pool.num_idle_cached_blocks)

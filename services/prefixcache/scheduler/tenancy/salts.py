@@ -27,10 +27,12 @@ class TenantSalts:
     def salt_for(self, tenant: str) -> str:
         return hmac.new(self._key, tenant.encode(), hashlib.sha256).hexdigest()
 
-    def label_for(self, tenant: str) -> str:
-        """A short one-way name for traces and request ids: the same for a tenant on every replica
-        that shares the key, and no help in guessing the tenant's name or salt."""
-        return hmac.new(self._key, _LABEL_PREFIX + tenant.encode(), hashlib.sha256).hexdigest()[:LABEL_HEX_CHARS]
+    def label_for(self, name: str, kind: str = "tenant") -> str:
+        """A short one-way name for traces and request ids of a tenant (or, `kind="cache_salt"`, of a
+        client's cache salt): the same on every replica that shares the key, and no help in guessing
+        the name or a salt."""
+        message = _LABEL_PREFIX + kind.encode() + b"\x00" + name.encode()
+        return hmac.new(self._key, message, hashlib.sha256).hexdigest()[:LABEL_HEX_CHARS]
 
     def __repr__(self) -> str:
         return "TenantSalts(<key hidden>)"
