@@ -4,7 +4,6 @@ A real engine cannot show how many streams a client keeps open or in which order
 turns arrive, so this in-process Engine records both; the e2e test runs against the real platform.
 """
 import asyncio
-import contextlib
 import importlib.util
 import json
 import signal
@@ -12,11 +11,11 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent import futures
 from dataclasses import replace
 
 import grpc
 import pytest
+from engine_stub_server import serving
 
 from prefixcache.bench.driver import TenantSalts, drive
 from prefixcache.bench.engine import EngineEndpoint
@@ -82,19 +81,6 @@ class RecordingEngine(engine_pb2_grpc.EngineServicer):
     def Describe(self, request, context):
         return engine_pb2.EngineDescription(model_id="recording", vocab_size=1000, max_model_len=4096,
                                             block_size=BLOCK, num_kv_blocks=40, prefix_caching_enabled=True)
-
-
-@contextlib.contextmanager
-def serving(servicer: RecordingEngine):
-    """`servicer`'s target, served on a free loopback port by a threaded gRPC server."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
-    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        server.stop(0)
 
 
 @pytest.fixture

@@ -2,13 +2,11 @@
 their table. The systems here are in-process Engines on real loopback gRPC that note when each
 request starts, which no real engine can show."""
 import asyncio
-import contextlib
 import threading
 import time
-from concurrent import futures
 
-import grpc
 import pytest
+from engine_stub_server import serving
 from side_by_side import ComparedSystem, render_systems, run_interleaved
 
 from prefixcache.bench.engine import EngineEndpoint
@@ -46,18 +44,6 @@ class TimelineEngine(engine_pb2_grpc.EngineServicer):
 
     def ResetPrefixCache(self, request, context):
         return engine_pb2.ResetPrefixCacheResponse(reset=not self.refuse_reset)
-
-
-@contextlib.contextmanager
-def serving(servicer: TimelineEngine):
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        server.stop(0)
 
 
 def test_interleaved_systems_take_turns_going_first():

@@ -86,6 +86,23 @@ def sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+def run_on_engine(args: argparse.Namespace, command: str, main: Callable[[EngineClient], Awaitable[int]]) -> int:
+    """Connect as the target flags say and run `main` with the client. A flag that cannot be used (an
+    unreadable key or CA, an empty $PREFIXCACHE_API_KEY) exits 2 before any call; then as
+    `report_rpc_errors`."""
+    try:
+        connection = engine_connection(args)
+    except ValueError as error:
+        print(f"prefixcache {command}: {error}", file=sys.stderr)
+        return 2
+
+    async def connected() -> int:
+        async with connection.client() as engine:
+            return await main(engine)
+
+    return report_rpc_errors(connected)
+
+
 def report_rpc_errors(main: Callable[[], Awaitable[int]]) -> int:
     """Run `main`; a failed call prints the server's status code and message and exits 1. Ctrl-C
     ends it quietly with the shell's status for SIGINT (closing the channel cancels the request,

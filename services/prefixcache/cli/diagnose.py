@@ -15,7 +15,8 @@ import json
 import sys
 
 from prefixcache.arg_types import bounded_int
-from prefixcache.cli.client_args import add_target, engine_connection, report_rpc_errors
+from prefixcache.cli.client_args import add_target, run_on_engine
+from prefixcache.client import EngineClient
 from prefixcache.protos.engine.v1 import kv_cache_pb2 as pb
 
 INT64_MAX = 2**63 - 1
@@ -30,19 +31,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        connection = engine_connection(args)
-    except ValueError as error:  # an unreadable key or CA, an empty $PREFIXCACHE_API_KEY
-        print(f"prefixcache diagnose: {error}", file=sys.stderr)
-        return 2
     diagnoses: list[pb.CacheDiagnosis] = []
 
-    async def main() -> int:
-        async with connection.client() as engine:
-            diagnoses.append(await engine.diagnose(args.window))
+    async def main(engine: EngineClient) -> int:
+        diagnoses.append(await engine.diagnose(args.window))
         return 0
 
-    code = report_rpc_errors(main)
+    code = run_on_engine(args, "diagnose", main)
     if code:
         return code
     [diagnosis] = diagnoses

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from prefixcache.arg_types import bounded_int
-from prefixcache.cli.client_args import UINT64_MAX, add_target, engine_connection, report_rpc_errors
+from prefixcache.cli.client_args import UINT64_MAX, add_target, run_on_engine
+from prefixcache.client import EngineClient
 from prefixcache.protos.engine.v1 import kv_cache_pb2 as pb
 
 
@@ -22,18 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        connection = engine_connection(args)
-    except ValueError as error:  # an unreadable key or CA, an empty $PREFIXCACHE_API_KEY
-        print(f"prefixcache events: {error}", file=sys.stderr)
-        return 2
-    async def main() -> int:
-        async with connection.client() as engine:
-            async for message in engine.kv_events(args.from_seq):
-                print(json.dumps(message_to_json(message)) if args.json else describe(message), flush=True)
+    async def main(engine: EngineClient) -> int:
+        async for message in engine.kv_events(args.from_seq):
+            print(json.dumps(message_to_json(message)) if args.json else describe(message), flush=True)
         return 0
 
-    return report_rpc_errors(main)
+    return run_on_engine(args, "events", main)
 
 
 def message_to_json(message: pb.KvEventsMessage) -> dict[str, object]:

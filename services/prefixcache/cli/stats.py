@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-from prefixcache.cli.client_args import add_target, engine_connection, report_rpc_errors
+from prefixcache.cli.client_args import add_target, run_on_engine
+from prefixcache.client import EngineClient
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,15 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        connection = engine_connection(args)
-    except ValueError as error:  # an unreadable key or CA, an empty $PREFIXCACHE_API_KEY
-        print(f"prefixcache stats: {error}", file=sys.stderr)
-        return 2
-
-    async def main() -> int:
-        async with connection.client() as engine:
-            stats = await engine.cache_stats()
+    async def main(engine: EngineClient) -> int:
+        stats = await engine.cache_stats()
         fields: dict[str, object] = {field.name: getattr(stats, field.name) for field in stats.DESCRIPTOR.fields}
         fields["missed_tokens_by_reason"] = dict(sorted(stats.missed_tokens_by_reason.items()))
         fields["hit_rate"] = stats.hit_tokens / stats.query_tokens if stats.query_tokens else 0.0
@@ -35,4 +28,4 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{name:<{width}}  {shown}")
         return 0
 
-    return report_rpc_errors(main)
+    return run_on_engine(args, "stats", main)

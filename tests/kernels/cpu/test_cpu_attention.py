@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from attention_batches import BATCHES, SHAPES
 
 from prefixcache.kernels import AttentionMetadata, get_attention_backend, reshape_and_cache_reference
 from prefixcache.kernels.cpu.attention import (
@@ -17,21 +18,6 @@ from prefixcache.kernels.cpu.attention import (
 from prefixcache.kernels.cpu.attention_plan import TorchAttentionPlan
 
 CPU = torch.device("cpu")
-
-# (queries per kv head, head_dim, block_size); two kv heads each.
-SHAPES = [
-    pytest.param(1, 16, 4, id="gqa1-d16-bs4"),
-    pytest.param(3, 24, 8, id="gqa3-d24-bs8"),
-]
-# (cached context, new tokens) per sequence.
-BATCHES = [
-    pytest.param(
-        [(0, 7), (9, 5), (12, 1), (5, 1), (0, 1), (3, 2)],
-        id="mixed",  # fresh prefill, chunks on context, decodes (one opening a new block), a 1-token prompt
-    ),
-    pytest.param([(6, 1), (28, 1), (17, 1), (1, 1), (30, 1), (25, 1)], id="decodes"),  # some padded together
-    pytest.param([(21, 19), (0, 18)], id="long-chunks"),  # several query tiles per sequence under GQA
-]
 
 
 @pytest.mark.parametrize("sequences", BATCHES)
