@@ -164,13 +164,22 @@ def test_model_claim_is_mounted_read_only_where_needed() -> None:
     assert "model" not in {m["name"] for m in scheduler["volumeMounts"]}
 
 
+def test_port_names_are_unique_within_each_pod(rendered: list[dict[str, Any]]) -> None:
+    """Kubernetes asks a container port's name to be unique within its pod (a Service or a probe
+    that names a port must find one)."""
+    for deployment in (o for o in rendered if o["kind"] == "Deployment"):
+        pod = deployment["spec"]["template"]["spec"]
+        names = [p["name"] for c in [*pod.get("initContainers", []), *pod["containers"]] for p in c["ports"]]
+        assert len(names) == len(set(names)), (deployment["metadata"]["name"], names)
+
+
 def test_every_container_is_probed_over_grpc_health(rendered: list[dict[str, Any]]) -> None:
     """On its plaintext health port where it has one (the worker listens on loopback, the Engine API
     may serve TLS: the kubelet's gRPC probes reach neither), else on its service port."""
     for deployment in (o for o in rendered if o["kind"] == "Deployment"):
         for container in containers(deployment).values():
             ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-            port = ports.get("health", ports.get("grpc"))
+            port = next((number for name, number in ports.items() if name.endswith("health")), ports.get("grpc"))
             for probe in ("startupProbe", "livenessProbe"):
                 assert container[probe]["grpc"] == {"port": port}, (container["name"], probe)
             # The scheduler is ready while its Engine can serve (not while it waits for a worker).
@@ -247,7 +256,7 @@ def test_the_worker_is_reachable_from_its_scheduler_only() -> None:
     args = worker["args"]
     assert args[args.index("--host") + 1] == "127.0.0.1"
     # the Worker API itself is not a container port; its metrics are, on every interface
-    assert [p["name"] for p in worker["ports"]] == ["health", "worker-metrics"]
+    assert [p["name"] for p in worker["ports"]] == ["worker-health", "worker-metrics"]
     assert args[args.index("--metrics-host") + 1] == "0.0.0.0"
     engine_policy = objects["NetworkPolicy", "chat-engine"]["spec"]
     assert engine_policy["podSelector"]["matchLabels"] == objects["Service", "chat"]["spec"]["selector"]

@@ -45,8 +45,9 @@ OTEL_LOGS_EXPORTER: none
 
 {{/* One service container. Arguments: root, name, image, args (list), port (none for a service on
      loopback only), startupSeconds, resources (dict); optional healthPort (the plaintext health port the
-     probes then check), extraEnv, extraMounts, extraPorts (lists), restartPolicy (a native sidecar) and
-     readyService (the gRPC health service readiness checks, instead of the process's). */}}
+     probes then check) and healthPortName (default health; port names are unique within a pod),
+     extraEnv, extraMounts, extraPorts (lists), restartPolicy (a native sidecar) and readyService (the
+     gRPC health service readiness checks, instead of the process's). */}}
 {{- define "prefixcache.container" -}}
 - name: {{ .name }}
   image: {{ .image | quote }}
@@ -60,7 +61,7 @@ OTEL_LOGS_EXPORTER: none
     - {name: grpc, containerPort: {{ . }}, protocol: TCP}
     {{- end }}
     {{- with .healthPort }}
-    - {name: health, containerPort: {{ . }}, protocol: TCP}
+    - {name: {{ $.healthPortName | default "health" }}, containerPort: {{ . }}, protocol: TCP}
     {{- end }}
     {{- with .extraPorts }}
     {{- toYaml . | nindent 4 }}

@@ -252,12 +252,12 @@ def _grpc_probes(port: int, startup_seconds: int, ready_service: str | None) -> 
 
 def _container(owner: Owner, name: str, image: str, spec: PrefixCacheSpec, args: list[str], port: int | None,
                startup_seconds: int, resources: Resources, ready_service: str | None = None,
-               health_port: int | None = None) -> dict[str, Any]:
+               health_port: int | None = None, health_port_name: str = "health") -> dict[str, Any]:
     """One service container; `port` None for a service on loopback only, `health_port` its
-    plaintext health port, which the probes then check."""
+    plaintext health port, which the probes then check (port names are unique within a pod)."""
     ports = [{"name": "grpc", "containerPort": port, "protocol": "TCP"}] if port is not None else []
     if health_port is not None:
-        ports.append({"name": "health", "containerPort": health_port, "protocol": "TCP"})
+        ports.append({"name": health_port_name, "containerPort": health_port, "protocol": "TCP"})
     container: dict[str, Any] = {
         "name": name,
         "image": image,
@@ -398,7 +398,8 @@ def _engine_deployment(owner: Owner, spec: PrefixCacheSpec, config_hash: str) ->
     volumes, mounts = _model_volumes(spec)
     # The worker loads weights and may compile kernels before it reports SERVING: allow ten minutes.
     worker = _container(owner, "worker", spec.worker.image, spec, _worker_args(spec), None, startup_seconds=600,
-                        resources=_worker_resources(spec), health_port=WORKER_HEALTH_PORT)
+                        resources=_worker_resources(spec), health_port=WORKER_HEALTH_PORT,
+                        health_port_name="worker-health")
     worker["volumeMounts"] += mounts
     if spec.tenant_salts is not None:
         scheduler["env"].append({"name": TENANT_SALT_KEY_ENV, "valueFrom": {"secretKeyRef": {
