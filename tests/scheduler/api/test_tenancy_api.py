@@ -126,7 +126,7 @@ def test_only_an_admin_reads_the_whole_cache(tokenizer: TextTokenizer, tmp_path:
                 assert (await refused(call)).code() == grpc.StatusCode.PERMISSION_DENIED
             async with EngineClient(target) as anonymous:
                 assert (await refused(anonymous.cached_blocks())).code() == grpc.StatusCode.UNAUTHENTICATED
-            assert len((await admin.cached_blocks()).block_hashes) == len(SECRET_PROMPT) // 4
+            assert len((await admin.cached_blocks()).block_hashes) >= len(SECRET_PROMPT) // 4  # and its output's
             assert (await admin.diagnose()).lookups >= 1
             first = await anext(aiter(admin.kv_events(from_seq=1)))
             assert first.HasField("batch")
