@@ -223,9 +223,10 @@ def test_tenant_salts_never_leave_their_secret(operator: Any, api: client.ApiCli
     client.CoreV1Api(api).create_namespaced_secret(NAMESPACE, secret)
     create(api, "delta", {"tenantSalts": {"secretName": "tenant-salts", "key": "acme"}}, uid="uid-delta")
     engine = wait_for(lambda: deployment(api, "delta-engine"), "the engine Deployment")
-    (scheduler,) = [c for c in engine["spec"]["template"]["spec"]["containers"] if c["name"] == "scheduler"]
-    assert {"name": "PREFIXCACHE_TENANT_SALT_KEY",
-            "valueFrom": {"secretKeyRef": {"name": "tenant-salts", "key": "acme"}}} in scheduler["env"]
+    # A mounted Secret (which the kubelet refreshes, and the scheduler reloads), never a value.
+    assert {"name": "salt-key", "secret": {"secretName": "tenant-salts", "items": [{"key": "acme", "path": "key"}]}} \
+        in engine["spec"]["template"]["spec"]["volumes"]
+    assert "--tenant-salt-key-file" in args_of(engine, "scheduler")
     wait_for(lambda: condition(api, "delta", "Reconciled"), "Reconciled")
 
     core, apps = client.CoreV1Api(api), client.AppsV1Api(api)

@@ -15,12 +15,13 @@ from typing import Any
 
 RECONCILED = "Reconciled"
 READY = "Ready"
+_STATUS = {True: "True", False: "False", None: "Unknown"}
 
 
 @dataclass(frozen=True, slots=True)
 class Condition:
     type: str
-    status: bool
+    status: bool | None  # None: Unknown
     reason: str
     message: str = ""
 
@@ -28,7 +29,7 @@ class Condition:
 def merge_condition(existing: Sequence[Mapping[str, Any]] | None, new: Condition, generation: int | None,
                     now: datetime | None = None) -> list[dict[str, Any]]:
     """The condition list with `new` replacing its type's entry."""
-    status = "True" if new.status else "False"
+    status = _STATUS[new.status]
     previous = next((c for c in existing or () if c.get("type") == new.type), None)
     if previous is not None and previous.get("status") == status and previous.get("lastTransitionTime"):
         transition = previous["lastTransitionTime"]
@@ -50,7 +51,8 @@ def find_condition(existing: Sequence[Mapping[str, Any]] | None, type_: str) -> 
     """The stored condition of a type, without its bookkeeping fields."""
     for entry in existing or ():
         if entry.get("type") == type_:
-            return Condition(type_, entry.get("status") == "True", entry.get("reason", ""),
+            status = {"True": True, "False": False}.get(entry.get("status", ""))
+            return Condition(type_, status, entry.get("reason", ""),
                              entry.get("message", ""))
     return None
 

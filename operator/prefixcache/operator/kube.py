@@ -203,3 +203,13 @@ def patch_custom_status(api_client: client.ApiClient, name: str, namespace: str,
                         status: Mapping[str, Any]) -> None:
     client.CustomObjectsApi(api_client).patch_namespaced_custom_object_status(
         GROUP, VERSION, namespace, PLURAL, name, {"status": dict(status)}, _content_type=MERGE_PATCH)
+
+
+def list_pods(api_client: client.ApiClient, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+    """The pods that carry every one of `labels` (filtered here too: a selector is only a request)."""
+    selector = ",".join(f"{key}={value}" for key, value in labels.items())
+    found = client.CoreV1Api(api_client).list_namespaced_pod(namespace, label_selector=selector,
+                                                             _preload_content=False)
+    pods = json.loads(found.data).get("items") or []
+    return [pod for pod in pods
+            if all((pod.get("metadata", {}).get("labels") or {}).get(k) == v for k, v in labels.items())]

@@ -85,6 +85,16 @@ class TokenizerSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheHealthSpec:
+    """How the operator watches the cache (`cache_poller.py`) and when it calls it thrashing."""
+
+    interval_seconds: int = 30
+    thrashing_evicted_miss_share: float = 0.5
+    thrashing_kv_usage: float = 0.8
+    thrashing_intervals: int = 2
+
+
+@dataclass(frozen=True, slots=True)
 class PrefixCacheSpec:
     image: str  # the control-plane image: tokenizer and scheduler
     image_pull_policy: str
@@ -104,6 +114,7 @@ class PrefixCacheSpec:
     tls: SecretRef | None = None  # the Engine API's kubernetes.io/tls certificate
     otel_endpoint: str | None = None
     image_pull_secrets: tuple[str, ...] = ()
+    cache_health: CacheHealthSpec = field(default_factory=CacheHealthSpec)
 
 
 def parse_spec(raw_spec: Mapping[str, Any] | None) -> PrefixCacheSpec:
@@ -169,6 +180,11 @@ def parse_spec(raw_spec: Mapping[str, Any] | None) -> PrefixCacheSpec:
         tls=SecretRef(spec["tls"]["secretName"]) if "tls" in spec else None,
         otel_endpoint=(spec.get("otel") or {}).get("endpoint"),
         image_pull_secrets=tuple(spec.get("imagePullSecrets") or ()),
+        cache_health=CacheHealthSpec(
+            interval_seconds=spec["cacheHealth"]["intervalSeconds"],
+            thrashing_evicted_miss_share=float(spec["cacheHealth"]["thrashing"]["evictedMissShare"]),
+            thrashing_kv_usage=float(spec["cacheHealth"]["thrashing"]["kvUsage"]),
+            thrashing_intervals=spec["cacheHealth"]["thrashing"]["intervals"]),
     )
 
 
