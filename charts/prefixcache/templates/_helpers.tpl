@@ -187,6 +187,12 @@ imagePullSecrets:
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [get, list, watch, create, patch]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list]  # the cache-health poller finds the ready engine pods and reads each one's cache statistics
 - apiGroups: [""]
   resources: [events]
   verbs: [create]

@@ -97,8 +97,10 @@ class CachePoller:
         conditions = status.get("conditions") or []
         if find_condition(conditions, CACHE_THRASHING) != condition:
             conditions = merge_condition(conditions, condition, parent["metadata"].get("generation"))
+        # A merge patch keeps what it does not name: a figure this interval could not measure is removed.
+        cleared = dict.fromkeys(status.get("cache") or {})
         await asyncio.to_thread(kube.patch_custom_status, self.api, name, namespace,
-                                {"cache": cache, "conditions": conditions})
+                                {"cache": {**cleared, **cache}, "conditions": conditions})
         return settings.interval_seconds
 
     async def _read(self, pod: Mapping[str, Any], state: _StackState, tls: bool, tenants: bool) -> PodHealth:
