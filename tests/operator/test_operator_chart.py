@@ -25,7 +25,11 @@ SPEC = {  # a PrefixCacheDeployment spec, and below the same settings as chart v
     "tenants": {"secretName": "chat-tenants", "key": "tenants-v2.json"}, "tls": {"secretName": "chat-engine-tls"},
     "worker": {"image": "registry.example/prefixcache-worker:1.2.3", "gpus": 1, "dtype": "bfloat16", "resources": {"requests": {"memory": "8Gi"}},
                "nodeSelector": {"cloud.google.com/gke-accelerator": "nvidia-l4"},
-               "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
+               "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+               "startupProbeSeconds": 1200, "runtimeClassName": "nvidia", "priorityClassName": "inference",
+               "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                   {"weight": 1, "preference": {"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}}]}}},
+    "rollout": {"maxSurge": 1},
     "tokenizer": {"replicas": 2, "resources": {"limits": {"cpu": "1"}}, "nodeSelector": {"pool": "cpu"},
                   "tolerations": [{"operator": "Exists"}]},
     "imagePullSecrets": ["registry-credentials"],
@@ -166,6 +170,8 @@ def without_management(obj: dict[str, Any]) -> dict[str, Any]:
     pytest.param({"kvCacheMemory": "1.5Gi"}, id="kv-decimal-quantity"),
     pytest.param({"kvCacheMemory": "3G"}, id="kv-si-quantity"),
     pytest.param({"kvCacheMemory": 3221225472}, id="kv-bytes"),
+    pytest.param({"worker": {"gpus": 0, "tolerations": [{"key": "spot", "operator": "Exists"}]}}, id="cpu-worker"),
+    pytest.param({"worker": {"tolerations": [{"key": "spot", "operator": "Exists"}]}}, id="gpu-default-toleration"),
 ])
 def test_chart_and_operator_render_the_same_stack(chart: Any, spec: dict[str, Any]) -> None:
     values = values_for({"kvCacheMemory": "2Gi", **spec})

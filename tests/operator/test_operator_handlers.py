@@ -121,6 +121,9 @@ def test_ready_waits_for_a_rollout_and_names_one_that_stopped(operator: Any, api
     rolling = wait_for(lambda: (c := condition(api, "zeta", "Ready")) and c["status"] == "False" and c, "Ready=False")
     assert rolling["reason"] == "Progressing"
     assert rolling["message"] == "rolling out: 1 of 2 engine replicas run the current spec; 2 available"
+    progressing = wait_for(lambda: (c := condition(api, "zeta", "Progressing")) and c["status"] == "True" and c,
+                           "Progressing=True")
+    assert progressing["reason"] == "RollingOut" and condition(api, "zeta", "Degraded")["status"] == "False"
 
     # The tokenizer rolls with a surge: a new pod exists beside the old one, which alone is available.
     set_rollout(api, "zeta-engine", updated=2, available=2)
@@ -137,6 +140,8 @@ def test_ready_waits_for_a_rollout_and_names_one_that_stopped(operator: Any, api
     failed = wait_for(lambda: (c := condition(api, "zeta", "Ready")) and c["reason"] == "RolloutFailed" and c,
                       "Ready reason RolloutFailed")
     assert failed["status"] == "False" and stalled["message"] in failed["message"]
+    degraded = wait_for(lambda: (c := condition(api, "zeta", "Degraded")) and c["status"] == "True" and c, "Degraded")
+    assert degraded["reason"] == "RolloutFailed" and condition(api, "zeta", "Progressing")["status"] == "False"
 
 
 def test_children_that_drift_from_the_spec_are_put_back(operator: Any, api: client.ApiClient) -> None:
@@ -176,7 +181,10 @@ def test_invalid_spec_is_reported_and_renders_nothing(operator: Any, api: client
     assert (reconciled["status"], reconciled["reason"]) == ("False", "InvalidSpec")
     assert "spec.blockSize: must be one of" in reconciled["message"]
     assert "model.claimName is required" in reconciled["message"]
-    assert condition(api, "broken", "Ready")["reason"] == "InvalidSpec"
+    ready = condition(api, "broken", "Ready")
+    assert ready["reason"] == "InvalidSpec" and "spec.blockSize" in ready["message"]  # names the field
+    assert (condition(api, "broken", "Degraded")["status"], condition(api, "broken", "Degraded")["reason"]) == \
+        ("True", "InvalidSpec")
     assert deployment(api, "broken-engine") is None and deployment(api, "broken-tokenizer") is None
 
 

@@ -72,7 +72,8 @@ def test_the_stack_and_its_ownership(rendered: list[dict[str, Any]]) -> None:
     assert sorted(by_name(rendered)) == [("ConfigMap", "chat-dashboard"), ("ConfigMap", "chat-env"),
                                          ("Deployment", "chat-engine"),
                                          ("Deployment", "chat-tokenizer"), ("NetworkPolicy", "chat-engine"),
-                                         ("NetworkPolicy", "chat-tokenizer"), ("Service", "chat"),
+                                         ("NetworkPolicy", "chat-tokenizer"),
+                                         ("PodDisruptionBudget", "chat-engine"), ("Service", "chat"),
                                          ("Service", "chat-tokenizer")]
     for obj in rendered:
         assert obj["metadata"]["namespace"] == "serving"
@@ -136,8 +137,15 @@ def test_worker_gets_gpus_and_resources() -> None:
     assert engine["worker"]["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"},
                                              "limits": {"memory": "32Gi", "nvidia.com/gpu": "1"}}
     assert engine["scheduler"]["resources"] == {"requests": {"cpu": "500m"}}
-    cpu_only = containers(by_name(render(OWNER, parse_spec({"worker": {"gpus": 0}})))["Deployment", "chat-engine"])
-    assert "resources" not in cpu_only["worker"] and "--device" not in cpu_only["worker"]["args"]
+    cpu_only = containers(by_name(render(OWNER, parse_spec({"worker": {"gpus": 0}, "kvCacheMemory": "4Gi"})))[
+        "Deployment", "chat-engine"])
+    # Requests where the spec sets none, so the pod is never BestEffort: on CPU the KV cache is host memory.
+    assert cpu_only["worker"]["resources"] == {"requests": {"cpu": "2", "memory": str(6 * 2**30)}}
+    assert "--device" not in cpu_only["worker"]["args"]
+    on_gpu = containers(by_name(render(OWNER, parse_spec({"worker": {"resources": {"requests": {"cpu": "3"}}}})))[
+        "Deployment", "chat-engine"])
+    assert on_gpu["worker"]["resources"] == {"requests": {"cpu": "3", "memory": str(2 * 2**30)},
+                                             "limits": {"nvidia.com/gpu": "1"}}
     # Scheduling ahead is the scheduler's default, on a GPU or not.
     assert not any("schedule-ahead" in arg for arg in [*engine["scheduler"]["args"], *cpu_only["scheduler"]["args"]])
 
@@ -151,7 +159,38 @@ def test_each_component_is_placed_where_its_spec_says() -> None:
     assert tokenizer["nodeSelector"] == {"pool": "cpu"} and tokenizer["tolerations"][0]["tolerationSeconds"] == 30
     assert engine["imagePullSecrets"] == tokenizer["imagePullSecrets"] == [{"name": "registry-credentials"}]
     defaults = by_name(render(OWNER, parse_spec({})))["Deployment", "chat-engine"]["spec"]["template"]["spec"]
-    assert not {"nodeSelector", "tolerations", "imagePullSecrets"} & set(defaults)
+    assert not {"nodeSelector", "imagePullSecrets", "runtimeClassName", "priorityClassName", "affinity"} & set(defaults)
+    # GPU nodes are usually tainted nvidia.com/gpu:NoSchedule: GPU pods tolerate it by default, CPU pods do not.
+    assert defaults["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    cpu = by_name(render(OWNER, parse_spec({"worker": {"gpus": 0}})))["Deployment", "chat-engine"]["spec"]["template"]
+    assert "tolerations" not in cpu["spec"]
+
+
+def test_engine_replicas_spread_across_nodes_and_one_goes_down_at_a_time() -> None:
+    objects = by_name(render(OWNER, parse_spec({"replicas": 3})))
+    pod = objects["Deployment", "chat-engine"]["spec"]["template"]
+    (spread,) = pod["spec"]["topologySpreadConstraints"]
+    assert (spread["topologyKey"], spread["whenUnsatisfiable"]) == ("kubernetes.io/hostname", "ScheduleAnyway")
+    assert spread["labelSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    budget = objects["PodDisruptionBudget", "chat-engine"]["spec"]
+    assert budget == {"maxUnavailable": 1, "selector": {"matchLabels": spread["labelSelector"]["matchLabels"]}}
+    assert objects["Deployment", "chat-engine"]["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0,
+                                                                                         "maxUnavailable": 1}
+    surge = by_name(render(OWNER, parse_spec({"rollout": {"maxSurge": 1}})))["Deployment", "chat-engine"]["spec"]
+    assert surge["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+
+
+def test_gpu_pod_settings_are_spec_fields() -> None:
+    worker = {"runtimeClassName": "nvidia", "priorityClassName": "inference-high", "startupProbeSeconds": 1800,
+              "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                  {"matchExpressions": [{"key": "gpu.product", "operator": "In", "values": ["H100"]}]}]}}}}
+    deployment = by_name(render(OWNER, parse_spec({"worker": worker})))["Deployment", "chat-engine"]
+    pod = deployment["spec"]["template"]["spec"]
+    assert (pod["runtimeClassName"], pod["priorityClassName"], pod["affinity"]) == (
+        "nvidia", "inference-high", worker["affinity"])
+    assert pod["initContainers"][0]["startupProbe"]["failureThreshold"] * 5 == 1800
+    assert deployment["spec"]["progressDeadlineSeconds"] == 1800 + 600  # a slow start is not a failed rollout
+    kubernetes_validate.validate(deployment, "1.33", strict=True)
 
 
 def test_model_claim_is_mounted_read_only_where_needed() -> None:

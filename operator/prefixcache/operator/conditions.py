@@ -4,7 +4,13 @@
 Types:
     Reconciled  the children match the current spec (False, reason InvalidSpec/NotOwned/Rejected, when they can't)
     Ready       the Engine API serves the current spec: every engine replica is updated and available, and a
-                tokenizer is (False, reason Progressing/TokenizerUnavailable/RolloutFailed/ScaledToZero, until then)
+                tokenizer is (False, reason Progressing/TokenizerUnavailable/RolloutFailed/ScaledToZero, or the
+                Reconciled reason, until then; the message names the field or the object)
+    Progressing a rollout of the current spec is under way (True, reason RollingOut; False: Complete,
+                ScaledToZero, or the reason it stopped)
+    Degraded    something needs a person: an invalid or refused spec, a stopped rollout, no tokenizer
+                (True with that reason; False, AsExpected)
+    CacheThrashing  cache_health.py (Unknown while nothing could be measured)
 """
 from __future__ import annotations
 
@@ -15,6 +21,9 @@ from typing import Any
 
 RECONCILED = "Reconciled"
 READY = "Ready"
+PROGRESSING = "Progressing"
+DEGRADED = "Degraded"
+_DEGRADING = frozenset({"InvalidSpec", "NotOwned", "Rejected", "RolloutFailed", "TokenizerUnavailable"})
 _STATUS = {True: "True", False: "False", None: "Unknown"}
 
 
@@ -103,3 +112,14 @@ def readiness(desired_replicas: int, engine: Rollout | None, tokenizer: Rollout 
         return Condition(READY, False, "Progressing",
                          f"{engine.available} of {desired_replicas} engine replicas available")
     return Condition(READY, True, "Available", f"{engine.available} engine replicas available")
+
+
+def progress_conditions(ready: Condition) -> tuple[Condition, Condition]:
+    """Progressing and Degraded, from what Ready says and why."""
+    if ready.status:
+        return Condition(PROGRESSING, False, "Complete", ready.message), Condition(DEGRADED, False, "AsExpected")
+    if ready.reason == "Progressing":
+        return Condition(PROGRESSING, True, "RollingOut", ready.message), Condition(DEGRADED, False, "AsExpected")
+    degraded = ready.reason in _DEGRADING
+    return (Condition(PROGRESSING, False, ready.reason, ready.message),
+            Condition(DEGRADED, degraded, ready.reason if degraded else "AsExpected", ready.message if degraded else ""))

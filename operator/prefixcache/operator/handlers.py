@@ -33,6 +33,7 @@ from prefixcache.operator.conditions import (
     condition_status,
     find_condition,
     merge_condition,
+    progress_conditions,
     readiness,
 )
 from prefixcache.operator.render import MANAGED_BY, Owner, render, selector_labels
@@ -107,7 +108,8 @@ def reconcile(body: kopf.Body, spec: kopf.Spec, status: kopf.Status, meta: kopf.
 
     def report(condition: Condition) -> None:
         nonlocal conditions
-        conditions = merge_condition(conditions, condition, generation)
+        for each in (condition, *progress_conditions(condition)) if condition.type == READY else (condition,):
+            conditions = merge_condition(conditions, each, generation)
         patch.status["conditions"] = conditions
 
     try:
@@ -192,10 +194,10 @@ def _restore_and_report(api: client.ApiClient, stacks: Stacks, name: str, namesp
     engine_available, condition = _readiness(api, owner, int(status.get("replicas") or 0))
     if find_condition(conditions, READY) == condition and status.get("availableReplicas") == engine_available:
         return  # unchanged: no write, no new resourceVersion
-    kube.patch_custom_status(api, name, namespace, {
-        "availableReplicas": engine_available,
-        "conditions": merge_condition(conditions, condition, parent["metadata"].get("generation")),
-    })
+    generation = parent["metadata"].get("generation")
+    for each in (condition, *progress_conditions(condition)):
+        conditions = merge_condition(conditions, each, generation)
+    kube.patch_custom_status(api, name, namespace, {"availableReplicas": engine_available, "conditions": conditions})
 
 
 def _readiness(api: client.ApiClient, owner: Owner, desired_replicas: int) -> tuple[int, Condition]:

@@ -41,6 +41,7 @@ _KINDS = {
     "Service": _KindApi(client.CoreV1Api, "service"),
     "Deployment": _KindApi(client.AppsV1Api, "deployment"),
     "NetworkPolicy": _KindApi(client.NetworkingV1Api, "network_policy"),
+    "PodDisruptionBudget": _KindApi(client.PolicyV1Api, "pod_disruption_budget"),
 }
 
 
@@ -118,7 +119,8 @@ def _same_quantity(a: Any, b: Any) -> bool:
 
 # Pod-spec fields the renderer leaves out when the spec has nothing for them. A merge patch keeps
 # what it does not mention, so once rendered they must be removed explicitly (null) when dropped.
-_OPTIONAL_POD_FIELDS = ("nodeSelector", "tolerations", "imagePullSecrets")
+_OPTIONAL_POD_FIELDS = ("nodeSelector", "tolerations", "imagePullSecrets", "runtimeClassName", "priorityClassName",
+                        "affinity")
 
 
 # Maps that must hold exactly the rendered keys: a merge patch merges maps, so a key that is no

@@ -140,7 +140,12 @@ def _go_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).translate(_GO_JSON_ESCAPES)
 
 
-ENGINE_PROGRESS_DEADLINE_S = 1200
+SCHEDULER_STARTUP_SECONDS = 300
+# Requests of a worker that sets none: the host memory of the process (torch, the CUDA context, the
+# weights on their way to the GPU) and, on CPU, its KV cache; enough for the embedded model: set
+# worker.resources.requests for larger ones.
+WORKER_BASE_MEMORY_BYTES = 2 * 2**30
+WORKER_CPU = {True: "1", False: "2"}  # with a GPU, without
 
 
 def render(owner: Owner, spec: PrefixCacheSpec, operator_admin_hash: str | None = None) -> list[dict[str, Any]]:
@@ -157,6 +162,7 @@ def render(owner: Owner, spec: PrefixCacheSpec, operator_admin_hash: str | None 
         _tokenizer_deployment(owner, spec, config_hash),
         _service(owner, "engine", owner.engine_service, ENGINE_PORT),
         _engine_deployment(owner, spec, bool(admins)),
+        _disruption_budget(owner),
         *_network_policies(owner),
         _dashboard(owner),
     ]
@@ -413,11 +419,34 @@ def _worker_args(spec: PrefixCacheSpec) -> list[str]:
 
 
 def _worker_resources(spec: PrefixCacheSpec) -> Resources:
+    """The spec's resources, with CPU and memory requests derived where it sets none (a pod without
+    requests is BestEffort, the first evicted under pressure) and the GPUs as limits."""
     resources = spec.worker.resources
-    if spec.worker.gpus == 0:
-        return resources
-    return Resources(requests=resources.requests,
-                     limits={**resources.limits, spec.worker.gpu_resource: str(spec.worker.gpus)})
+    on_gpu = spec.worker.gpus > 0
+    memory = WORKER_BASE_MEMORY_BYTES + (0 if on_gpu else spec.kv_cache_memory_bytes)
+    requests = {"cpu": WORKER_CPU[on_gpu], "memory": str(memory), **resources.requests}
+    if not on_gpu:
+        return Resources(requests=requests, limits=resources.limits)
+    return Resources(requests=requests, limits={**resources.limits, spec.worker.gpu_resource: str(spec.worker.gpus)})
+
+
+def _worker_placement(spec: PrefixCacheSpec) -> Placement:
+    """The spec's placement, and a toleration of the GPU resource's usual taint (`nvidia.com/gpu`
+    NoSchedule, as the GPU operators and managed node pools set) unless the spec tolerates that key."""
+    placement = spec.worker.placement
+    key = spec.worker.gpu_resource
+    if spec.worker.gpus == 0 or any(t.get("key") == key for t in placement.tolerations):
+        return placement
+    return Placement(node_selector=placement.node_selector,
+                     tolerations=(*placement.tolerations, {"key": key, "operator": "Exists", "effect": "NoSchedule"}))
+
+
+def _disruption_budget(owner: Owner) -> dict[str, Any]:
+    """At most one engine pod down by a voluntary disruption (a drain, an upgrade) at a time: the
+    other replicas keep their warm caches and serve."""
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": _metadata(owner, owner.engine_deployment, "engine"),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(owner, "engine")}}}
 
 
 def _scheduler_secrets(owner: Owner, spec: PrefixCacheSpec,
@@ -446,11 +475,13 @@ def _engine_deployment(owner: Owner, spec: PrefixCacheSpec, operator_admin: bool
     # Ready while the Engine can serve: the scheduler's Engine health drops while a lost worker is replaced.
     scheduler = _container(owner, "scheduler", spec.image, spec, _scheduler_args(owner, spec, operator_admin),
                            ENGINE_PORT,
-                           startup_seconds=300, resources=spec.scheduler_resources, ready_service=ENGINE_SERVICE,
+                           startup_seconds=SCHEDULER_STARTUP_SECONDS, resources=spec.scheduler_resources,
+                           ready_service=ENGINE_SERVICE,
                            health_port=SCHEDULER_HEALTH_PORT)
     volumes, mounts = _model_volumes(spec)
     # The worker loads weights and may compile kernels before it reports SERVING: allow ten minutes.
-    worker = _container(owner, "worker", spec.worker.image, spec, _worker_args(spec), None, startup_seconds=600,
+    worker = _container(owner, "worker", spec.worker.image, spec, _worker_args(spec), None,
+                        startup_seconds=spec.worker.startup_probe_seconds,
                         resources=_worker_resources(spec), health_port=WORKER_HEALTH_PORT)
     worker["volumeMounts"] += mounts
     secret_volumes, secret_mounts = _scheduler_secrets(owner, spec, operator_admin)
@@ -459,15 +490,26 @@ def _engine_deployment(owner: Owner, spec: PrefixCacheSpec, operator_admin: bool
     scheduler["ports"].append({"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"})
     worker["ports"].append({"name": "worker-metrics", "containerPort": WORKER_METRICS_PORT, "protocol": "TCP"})
     pod = _pod_spec([scheduler], [*volumes, *secret_volumes], spec.termination_grace_period_seconds,
-                    spec.worker.placement, spec.image_pull_secrets)
+                    _worker_placement(spec), spec.image_pull_secrets)
     pod["initContainers"] = [worker]
-    # GPUs are scarce: replace pods one at a time instead of surging onto GPUs that may not exist
-    # (LeaderWorkerSet and Dynamo's Grove path default to the same).
-    strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    # Replicas on different nodes where there are nodes enough: one drain or node failure takes one
+    # warm cache, not all of them (ScheduleAnyway: never a reason to leave a pod pending).
+    pod["topologySpreadConstraints"] = [{
+        "maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+        "labelSelector": {"matchLabels": selector_labels(owner, "engine")}, "matchLabelKeys": ["pod-template-hash"]}]
+    for key, value in (("runtimeClassName", spec.worker.runtime_class_name),
+                       ("priorityClassName", spec.worker.priority_class_name), ("affinity", spec.worker.affinity)):
+        if value:
+            pod[key] = value
+    # GPUs are scarce: by default replace pods one at a time instead of surging onto GPUs that may not
+    # exist (LeaderWorkerSet and Dynamo's Grove path default to the same); rollout.maxSurge 1 starts
+    # the new pod first, for a single replica that cannot go down.
+    surge = spec.max_surge
+    strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": surge, "maxUnavailable": 1 - surge}}
     deployment = _deployment(owner, owner.engine_deployment, "engine", spec.replicas, pod,
                              {CACHE_IDENTITY_ANNOTATION: cache_identity_hash(spec)}, strategy)
-    # The worker may take its 600 s startup before the scheduler starts and takes its 300 s: a rollout
+    # The worker may take its startup (worker.startupProbeSeconds) before the scheduler starts and takes its: a rollout
     # must not be reported failed (the default deadline is 600 s) while a healthy pod still starts.
-    deployment["spec"]["progressDeadlineSeconds"] = ENGINE_PROGRESS_DEADLINE_S
+    deployment["spec"]["progressDeadlineSeconds"] = spec.worker.startup_probe_seconds + SCHEDULER_STARTUP_SECONDS + 300
     deployment["spec"]["template"]["metadata"]["annotations"] |= _scrape_annotations(METRICS_PORT)
     return deployment

@@ -75,6 +75,10 @@ class WorkerSpec:
     attention_backend: str  # "auto" leaves the choice to the worker
     resources: Resources
     placement: Placement = field(default_factory=Placement)  # of the engine pods: scheduler and worker
+    startup_probe_seconds: int = 600
+    runtime_class_name: str | None = None
+    priority_class_name: str | None = None
+    affinity: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +119,7 @@ class PrefixCacheSpec:
     otel_endpoint: str | None = None
     image_pull_secrets: tuple[str, ...] = ()
     cache_health: CacheHealthSpec = field(default_factory=CacheHealthSpec)
+    max_surge: int = 0
 
 
 def parse_spec(raw_spec: Mapping[str, Any] | None) -> PrefixCacheSpec:
@@ -168,7 +173,10 @@ def parse_spec(raw_spec: Mapping[str, Any] | None) -> PrefixCacheSpec:
         kv_cache_memory_bytes=kv_bytes,
         worker=WorkerSpec(image=worker["image"], gpus=worker["gpus"], gpu_resource=worker["gpuResource"], dtype=worker["dtype"],
                           attention_backend=worker["attentionBackend"],
-                          resources=_resources(worker["resources"]), placement=_placement(worker)),
+                          resources=_resources(worker["resources"]), placement=_placement(worker),
+                          startup_probe_seconds=worker["startupProbeSeconds"],
+                          runtime_class_name=worker.get("runtimeClassName"),
+                          priority_class_name=worker.get("priorityClassName"), affinity=worker.get("affinity")),
         scheduler_resources=_resources(spec["scheduler"]["resources"]),
         tokenizer=TokenizerSpec(replicas=spec["tokenizer"]["replicas"],
                                 resources=_resources(spec["tokenizer"]["resources"]),
@@ -185,6 +193,7 @@ def parse_spec(raw_spec: Mapping[str, Any] | None) -> PrefixCacheSpec:
             thrashing_evicted_miss_share=float(spec["cacheHealth"]["thrashing"]["evictedMissShare"]),
             thrashing_kv_usage=float(spec["cacheHealth"]["thrashing"]["kvUsage"]),
             thrashing_intervals=spec["cacheHealth"]["thrashing"]["intervals"]),
+        max_surge=spec["rollout"]["maxSurge"],
     )
 
 
