@@ -174,6 +174,19 @@ def test_update_rolls_the_new_spec_out(operator: Any, api: client.ApiClient) -> 
     wait_for(lambda: condition(api, "beta", "Reconciled")["observedGeneration"] == 2, "observedGeneration 2")
 
 
+def test_scaling_the_resource_scales_the_engine_and_rolls_nothing(operator: Any, api: client.ApiClient) -> None:
+    """What `kubectl scale pcd` and an HPA do through the scale subresource: set spec.replicas. The
+    selector they read is in the status; the pods they add start cold, and none of the others restarts."""
+    create(api, "mu", {"replicas": 1}, uid="uid-mu")
+    engine = wait_for(lambda: deployment(api, "mu-engine"), "the engine Deployment")
+    status = wait_for(lambda: (s := get(api, "mu").get("status") or {}).get("selector") and s, "status.selector")
+    assert status["selector"] == ",".join(f"{k}={v}" for k, v in engine["spec"]["selector"]["matchLabels"].items())
+    patch = {"metadata": {"generation": 2}, "spec": {"replicas": 4}}
+    client.CustomObjectsApi(api).patch_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, "mu", patch)
+    scaled = wait_for(lambda: (d := deployment(api, "mu-engine")) and d["spec"]["replicas"] == 4 and d, "4 replicas")
+    assert scaled["spec"]["template"] == engine["spec"]["template"]
+
+
 def test_invalid_spec_is_reported_and_renders_nothing(operator: Any, api: client.ApiClient) -> None:
     # The API server would refuse this spec; an older CRD or a bypassed webhook must not get it rendered.
     create(api, "broken", {"blockSize": 24, "model": {"source": "PersistentVolumeClaim"}}, uid="uid-broken")
