@@ -259,6 +259,15 @@ def test_a_new_chart_version_alone_rolls_no_pod(chart: Any) -> None:
         assert "helm.sh/chart" not in deployment["spec"]["template"]["metadata"]["labels"]
 
 
+def test_the_example_is_opt_in_and_a_valid_spec(chart: Any) -> None:
+    assert not [o for o in rendered(chart, {}) if o["kind"] == "PrefixCacheDeployment"]
+    values = {"example": {"enabled": True}, "operator": {"enabled": True}, "stack": {"enabled": False}}
+    (example,) = [o for o in rendered(chart, values) if o["kind"] == "PrefixCacheDeployment"]
+    assert example["metadata"]["namespace"] == "serving"
+    spec = parse_spec(example["spec"])  # what the operator (and the CRD's schema) will accept
+    assert (spec.replicas, spec.worker.gpus, spec.kv_cache_memory_bytes) == (1, 1, 4 * 2**30)
+
+
 def test_chart_crd_is_the_operator_crd() -> None:
     chart_copy = CHART / "crds" / "prefixcachedeployments.yaml"
     assert chart_copy.read_bytes() == (REPO / "operator" / "prefixcache" / "operator" / "crd.yaml").read_bytes()
