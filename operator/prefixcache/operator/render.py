@@ -6,7 +6,9 @@
              │
     Service <name>-tokenizer  :50053 ◄── Deployment <name>-tokenizer
     ConfigMap <name>-env      environment shared by every container (tracing)
+    ConfigMap <name>-operator-admin  with tenants: the operator's admin key hash (admin_key.py)
     NetworkPolicy <name>-engine, <name>-tokenizer   who may connect to which pod, on which port
+    PodDisruptionBudget <name>-engine  one engine pod down at a time (pods also spread over nodes)
     ConfigMap <name>-dashboard  the Grafana dashboard, for Grafana's sidecar (label grafana_dashboard: "1")
 
 Every service serves Prometheus metrics (scheduler :9090, worker :9091, tokenizer :9092); each pod's
@@ -25,6 +27,9 @@ The NetworkPolicies let the engine pods be reached on the Engine API, metrics an
 and the tokenizer by the engine pods only. With `tenants`, the scheduler reads the tenants file from
 its mounted Secret (and again when the Secret changes); with `tls`, it serves the Engine API over TLS
 from a mounted kubernetes.io/tls Secret.
+Rollouts: the engine pod template carries the cache identity's hash (`cache_identity`), not the
+tracing ConfigMap's, so telemetry never restarts a GPU pod (the engine containers read the new
+environment at their next start); the tokenizer, which holds no cache, rolls with the ConfigMap.
 The tokenizer is stateless and shared. No function here talks to a cluster; every object carries an
 ownerReference to the PrefixCacheDeployment so deleting it garbage-collects the stack.
 """
