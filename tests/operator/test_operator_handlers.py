@@ -273,7 +273,8 @@ def test_name_too_long_for_its_children_is_refused(operator: Any, api: client.Ap
 
 
 def test_placement_removed_from_the_spec_leaves_the_pods(operator: Any, api: client.ApiClient) -> None:
-    placed = {"nodeSelector": {"pool": "gpu"}, "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]}
+    # CPU workers: GPU workers keep a default toleration of the GPU taint whatever the spec says.
+    placed = {"gpus": 0, "nodeSelector": {"pool": "gpu"}, "tolerations": [{"key": "spot", "operator": "Exists"}]}
     create(api, "theta", {"worker": placed, "imagePullSecrets": ["regcred"]}, uid="uid-theta")
     engine = wait_for(lambda: deployment(api, "theta-engine"), "the engine Deployment")
     assert engine["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "gpu"}
