@@ -140,8 +140,9 @@ def thrashing_condition(cache: Mapping[str, Any], thresholds: Thresholds, streak
     """CacheThrashing after `streak` consecutive thrashing intervals (this one included)."""
     verdict = is_thrashing(cache, thresholds)
     if verdict is None:
-        unread = cache.get("podsUnread", 0)
-        why = f"{unread} engine pods could not be read" if unread else "no interval measured yet"
+        unread, read = cache.get("podsUnread", 0), cache.get("podsRead", 0)
+        why = (f"{unread} engine pods could not be read" if unread else
+               "no interval measured yet" if read else "no ready engine pod to read")
         return Condition(CACHE_THRASHING, None, "NotMeasured", f"{why}; see status.cache.pods")
     numbers = (f"evicted-miss share {cache.get('evictedMissShare', 0):.0%} "
                f"(threshold {thresholds.evicted_miss_share:.0%}), KV usage {cache['kvUsage']:.0%} "

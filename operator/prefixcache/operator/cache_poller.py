@@ -31,7 +31,13 @@ from prefixcache.operator.cache_health import (
     summary,
     thrashing_condition,
 )
-from prefixcache.operator.conditions import RECONCILED, condition_status, find_condition, merge_condition
+from prefixcache.operator.conditions import (
+    RECONCILED,
+    Condition,
+    condition_status,
+    find_condition,
+    merge_condition,
+)
 from prefixcache.operator.render import ENGINE_PORT, Owner, selector_labels
 from prefixcache.operator.schema import SpecError
 from prefixcache.operator.spec import CacheHealthSpec, parse_spec
@@ -94,13 +100,7 @@ class CachePoller:
         verdict = is_thrashing(cache, _thresholds(settings))
         state.streak = state.streak + 1 if verdict else 0
         condition = thrashing_condition(cache, _thresholds(settings), state.streak)
-        conditions = status.get("conditions") or []
-        if find_condition(conditions, CACHE_THRASHING) != condition:
-            conditions = merge_condition(conditions, condition, parent["metadata"].get("generation"))
-        # A merge patch keeps what it does not name: a figure this interval could not measure is removed.
-        cleared = dict.fromkeys(status.get("cache") or {})
-        await asyncio.to_thread(kube.patch_custom_status, self.api, name, namespace,
-                                {"cache": {**cleared, **cache}, "conditions": conditions})
+        await asyncio.to_thread(_write_status, self.api, name, namespace, uid, cache, condition)
         return settings.interval_seconds
 
     async def _read(self, pod: Mapping[str, Any], state: _StackState, tls: bool, tenants: bool) -> PodHealth:
@@ -116,6 +116,22 @@ class CachePoller:
         except TimeoutError:
             return PodHealth(name, error=f"GetCacheStats took longer than {READ_TIMEOUT_S:g} s")
         return pod_health(name, Reading.from_stats(time.monotonic(), stats), state.readings.get(name))
+
+
+def _write_status(api: client.ApiClient, name: str, namespace: str, uid: str, cache: dict[str, Any],
+                  condition: Condition) -> None:
+    """status.cache and CacheThrashing, merged into the conditions as they are now: read just before
+    the write, so that a Ready the handlers wrote while the pods were being read is kept."""
+    parent = kube.read_custom(api, name, namespace)
+    if parent is None or parent["metadata"].get("uid") != uid:
+        return
+    status = parent.get("status") or {}
+    conditions = status.get("conditions") or []
+    if find_condition(conditions, CACHE_THRASHING) != condition:
+        conditions = merge_condition(conditions, condition, parent["metadata"].get("generation"))
+    # A merge patch keeps what it does not name: a figure this interval could not measure is removed.
+    cleared = dict.fromkeys(status.get("cache") or {})
+    kube.patch_custom_status(api, name, namespace, {"cache": {**cleared, **cache}, "conditions": conditions})
 
 
 def _thresholds(settings: CacheHealthSpec) -> Thresholds:
