@@ -127,7 +127,10 @@ def _write_status(api: client.ApiClient, name: str, namespace: str, uid: str, ca
         return
     status = parent.get("status") or {}
     conditions = status.get("conditions") or []
-    if find_condition(conditions, CACHE_THRASHING) != condition:
+    if find_condition(conditions, CACHE_THRASHING) == condition:
+        if status.get("cache") == cache:
+            return  # unchanged (no pod to read, say): no write, no new resourceVersion, no watch event
+    else:
         conditions = merge_condition(conditions, condition, parent["metadata"].get("generation"))
     # A merge patch keeps what it does not name: a figure this interval could not measure is removed.
     cleared = dict.fromkeys(status.get("cache") or {})
