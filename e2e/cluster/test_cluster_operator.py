@@ -8,6 +8,7 @@ the spec asks for no GPU, and the worker image runs on CPU); on kind, `kind load
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 KUBECONFIG = os.environ.get("KUBECONFIG", "")
 pytestmark = pytest.mark.skipif(not KUBECONFIG or not all(Path(p).is_file() for p in KUBECONFIG.split(os.pathsep)),
@@ -141,3 +143,73 @@ def test_pods_become_ready_on_grpc_health(api: client.ApiClient, namespace: str,
         return any(c["type"] == "Ready" and c["status"] == "True" for c in (status or {}).get("conditions", []))
 
     wait_for(ready, "Ready=True (all probes pass over gRPC health)", 1200)
+
+
+# The chart's operator, in the cluster (it reads each engine pod's cache statistics at the pod's IP,
+# which a test host outside the cluster network cannot reach), serving the test's namespace only.
+REQUEST_TWICE = """
+import asyncio, json
+from prefixcache.client import EngineClient, build_request
+async def main():
+    async with EngineClient("localhost:50051") as engine:
+        request = build_request(text="The same prompt twice, so that its blocks are cached. " * 8,
+                                max_tokens=4, temperature=0.0)
+        print(json.dumps([(await engine.complete(request)).usage.cached_tokens for _ in range(2)]))
+asyncio.run(main())
+"""
+
+
+@pytest.fixture(scope="module")
+def chart_operator(api: client.ApiClient, namespace: str, crd_installed: None) -> Iterator[None]:
+    helm = pytest.importorskip("helm_python", reason="helm-python-sdk renders the chart")
+    from kubernetes import utils
+
+    chart = helm.Chart.load(str(Path(__file__).resolve().parents[2] / "charts" / "prefixcache"))
+    values = {"stack": {"enabled": False}, "operator": {"enabled": True, "image": IMAGE, "watchNamespace": namespace}}
+    objects = [doc for path, text in chart.render(values, name="e2e", namespace=namespace).items()
+               if not path.endswith("NOTES.txt") for doc in yaml.safe_load_all(text) if doc]
+    for obj in objects:
+        utils.create_from_dict(api, obj, namespace=namespace)
+    yield
+    rbac = client.RbacAuthorizationV1Api(api)
+    for obj in objects:  # the cluster-scoped ones; the namespace takes the rest
+        if obj["kind"] == "ClusterRole":
+            rbac.delete_cluster_role(obj["metadata"]["name"])
+        elif obj["kind"] == "ClusterRoleBinding":
+            rbac.delete_cluster_role_binding(obj["metadata"]["name"])
+
+
+@pytest.mark.skipif(not (IMAGE and WORKER_IMAGE), reason="set PREFIXCACHE_E2E_IMAGE and "
+                    "PREFIXCACHE_E2E_WORKER_IMAGE to images the cluster can pull")
+@pytest.mark.timeout(1800)
+def test_the_chart_serves_a_warm_cache_and_reports_it(api: client.ApiClient, namespace: str,
+                                                      chart_operator: None) -> None:
+    """Install the chart's operator, apply a PrefixCacheDeployment, wait for Ready, send the same request
+    twice (the second is served from the cache), see the hit rate in status, delete and see it all go."""
+    from kubernetes.stream import stream
+
+    create(api, namespace, "warm", {"image": IMAGE, "worker": {"image": WORKER_IMAGE, "gpus": 0},
+                                    "kvCacheMemory": "256Mi", "cacheHealth": {"intervalSeconds": 5}})
+
+    def get_status() -> dict[str, Any]:
+        return custom(api).get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "warm").get("status") or {}
+
+    wait_for(lambda: any(c["type"] == "Ready" and c["status"] == "True" for c in get_status().get("conditions", [])),
+             "Ready=True", 1500)
+    core = client.CoreV1Api(api)
+    (pod,) = [p for p in core.list_namespaced_pod(namespace, label_selector=get_status()["selector"]).items]
+    output = stream(core.connect_get_namespaced_pod_exec, pod.metadata.name, namespace, container="scheduler",
+                    command=["python", "-c", REQUEST_TWICE], stderr=True, stdin=False, stdout=True, tty=False)
+    first, second = json.loads(output.strip().splitlines()[-1])
+    assert first == 0 and second > 0
+    cache = wait_for(lambda: (c := get_status().get("cache") or {}).get("hitRate") and c, "a hit rate in status", 120)
+    assert cache["podsRead"] == 1 and cache["cachedBlocks"] > 0
+
+    custom(api).delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, "warm")
+    apps = client.AppsV1Api(api)
+    wait_for(lambda: not [d for d in apps.list_namespaced_deployment(namespace).items
+                          if d.metadata.name.startswith("warm-")], "the Deployments to be collected", 300)
+    wait_for(lambda: not [s for s in core.list_namespaced_service(namespace).items
+                          if s.metadata.name.startswith("warm")], "the Services to be collected", 120)
+    wait_for(lambda: not core.list_namespaced_pod(namespace, label_selector="app.kubernetes.io/instance=warm").items,
+             "the pods to go", 300)

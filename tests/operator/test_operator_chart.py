@@ -25,7 +25,11 @@ SPEC = {  # a PrefixCacheDeployment spec, and below the same settings as chart v
     "tenants": {"secretName": "chat-tenants", "key": "tenants-v2.json"}, "tls": {"secretName": "chat-engine-tls"},
     "worker": {"image": "registry.example/prefixcache-worker:1.2.3", "gpus": 1, "dtype": "bfloat16", "resources": {"requests": {"memory": "8Gi"}},
                "nodeSelector": {"cloud.google.com/gke-accelerator": "nvidia-l4"},
-               "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
+               "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+               "startupProbeSeconds": 1200, "runtimeClassName": "nvidia", "priorityClassName": "inference",
+               "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+                   {"weight": 1, "preference": {"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}}]}}},
+    "rollout": {"maxSurge": 1},
     "tokenizer": {"replicas": 2, "resources": {"limits": {"cpu": "1"}}, "nodeSelector": {"pool": "cpu"},
                   "tolerations": [{"operator": "Exists"}]},
     "imagePullSecrets": ["registry-credentials"],
@@ -34,10 +38,8 @@ SPEC = {  # a PrefixCacheDeployment spec, and below the same settings as chart v
 
 
 def values_for(spec: dict[str, Any]) -> dict[str, Any]:
-    values = copy.deepcopy(spec)
-    values["kvCacheMemoryBytes"] = parse_spec(spec).kv_cache_memory_bytes
-    del values["kvCacheMemory"]
-    return values
+    """The chart's values for a spec: the same fields, the same units."""
+    return copy.deepcopy(spec)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +81,8 @@ def test_default_values_match_the_schema(chart: Any) -> None:
     ({"tenantSalts": {"secretName": "s", "acme": "inline-salt"}}, "acme"),
     ({"tenants": {"secretName": "s", "apiKeys": ["inline-key"]}}, "apiKeys"),
     ({"tls": {"secretName": "Not A Name"}}, "secretName"),
-    ({"kvCacheMemoryBytes": "2Gi"}, "kvCacheMemoryBytes"),
+    ({"kvCacheMemory": "2GB"}, "kvCacheMemory"),
+    ({"kvCacheMemoryBytes": 2147483648}, "kvCacheMemoryBytes"),  # the old name is refused, not ignored
     ({"worker": {"gpus": 2}}, "gpus"),  # a worker runs on one device
     ({"worker": {"gpuResource": "not a resource"}}, "gpuResource"),
     ({"worker": {"nodeSelector": {"not a label": "x"}}}, "nodeSelector"),
@@ -163,6 +166,12 @@ def without_management(obj: dict[str, Any]) -> dict[str, Any]:
     pytest.param(SPEC, id="every-field"),
     # Helm's toJson escapes <, > and & and keeps UTF-8: the config hashes must still agree.
     pytest.param({"otel": {"endpoint": "http://otel:4317/?a=b&c=<d>&e=é"}}, id="json-escapes"),
+    # One unit for the KV budget in both: a quantity, decimal or binary, or plain bytes.
+    pytest.param({"kvCacheMemory": "1.5Gi"}, id="kv-decimal-quantity"),
+    pytest.param({"kvCacheMemory": "3G"}, id="kv-si-quantity"),
+    pytest.param({"kvCacheMemory": 3221225472}, id="kv-bytes"),
+    pytest.param({"worker": {"gpus": 0, "tolerations": [{"key": "spot", "operator": "Exists"}]}}, id="cpu-worker"),
+    pytest.param({"worker": {"tolerations": [{"key": "spot", "operator": "Exists"}]}}, id="gpu-default-toleration"),
 ])
 def test_chart_and_operator_render_the_same_stack(chart: Any, spec: dict[str, Any]) -> None:
     values = values_for({"kvCacheMemory": "2Gi", **spec})
@@ -172,6 +181,13 @@ def test_chart_and_operator_render_the_same_stack(chart: Any, spec: dict[str, An
     assert from_chart.keys() == from_operator.keys()
     for key, expected in from_operator.items():
         assert from_chart[key] == expected, key
+
+
+def test_a_kv_budget_that_is_not_whole_bytes_is_refused_by_both(chart: Any) -> None:
+    with pytest.raises(helm.HelmError, match="kvCacheMemory"):
+        rendered(chart, {"kvCacheMemory": "0.3"})
+    with pytest.raises(SpecError, match="kvCacheMemory"):
+        parse_spec({"kvCacheMemory": "0.3"})
 
 
 def test_each_container_runs_the_image_built_for_it(chart: Any) -> None:
@@ -241,6 +257,15 @@ def test_a_new_chart_version_alone_rolls_no_pod(chart: Any) -> None:
     for deployment in deployments:
         assert "helm.sh/chart" in deployment["metadata"]["labels"]
         assert "helm.sh/chart" not in deployment["spec"]["template"]["metadata"]["labels"]
+
+
+def test_the_example_is_opt_in_and_a_valid_spec(chart: Any) -> None:
+    assert not [o for o in rendered(chart, {}) if o["kind"] == "PrefixCacheDeployment"]
+    values = {"example": {"enabled": True}, "operator": {"enabled": True}, "stack": {"enabled": False}}
+    (example,) = [o for o in rendered(chart, values) if o["kind"] == "PrefixCacheDeployment"]
+    assert example["metadata"]["namespace"] == "serving"
+    spec = parse_spec(example["spec"])  # what the operator (and the CRD's schema) will accept
+    assert (spec.replicas, spec.worker.gpus, spec.kv_cache_memory_bytes) == (1, 1, 4 * 2**30)
 
 
 def test_chart_crd_is_the_operator_crd() -> None:

@@ -121,6 +121,9 @@ def test_ready_waits_for_a_rollout_and_names_one_that_stopped(operator: Any, api
     rolling = wait_for(lambda: (c := condition(api, "zeta", "Ready")) and c["status"] == "False" and c, "Ready=False")
     assert rolling["reason"] == "Progressing"
     assert rolling["message"] == "rolling out: 1 of 2 engine replicas run the current spec; 2 available"
+    progressing = wait_for(lambda: (c := condition(api, "zeta", "Progressing")) and c["status"] == "True" and c,
+                           "Progressing=True")
+    assert progressing["reason"] == "RollingOut" and condition(api, "zeta", "Degraded")["status"] == "False"
 
     # The tokenizer rolls with a surge: a new pod exists beside the old one, which alone is available.
     set_rollout(api, "zeta-engine", updated=2, available=2)
@@ -137,6 +140,8 @@ def test_ready_waits_for_a_rollout_and_names_one_that_stopped(operator: Any, api
     failed = wait_for(lambda: (c := condition(api, "zeta", "Ready")) and c["reason"] == "RolloutFailed" and c,
                       "Ready reason RolloutFailed")
     assert failed["status"] == "False" and stalled["message"] in failed["message"]
+    degraded = wait_for(lambda: (c := condition(api, "zeta", "Degraded")) and c["status"] == "True" and c, "Degraded")
+    assert degraded["reason"] == "RolloutFailed" and condition(api, "zeta", "Progressing")["status"] == "False"
 
 
 def test_children_that_drift_from_the_spec_are_put_back(operator: Any, api: client.ApiClient) -> None:
@@ -169,6 +174,19 @@ def test_update_rolls_the_new_spec_out(operator: Any, api: client.ApiClient) -> 
     wait_for(lambda: condition(api, "beta", "Reconciled")["observedGeneration"] == 2, "observedGeneration 2")
 
 
+def test_scaling_the_resource_scales_the_engine_and_rolls_nothing(operator: Any, api: client.ApiClient) -> None:
+    """What `kubectl scale pcd` and an HPA do through the scale subresource: set spec.replicas. The
+    selector they read is in the status; the pods they add start cold, and none of the others restarts."""
+    create(api, "mu", {"replicas": 1}, uid="uid-mu")
+    engine = wait_for(lambda: deployment(api, "mu-engine"), "the engine Deployment")
+    status = wait_for(lambda: (s := get(api, "mu").get("status") or {}).get("selector") and s, "status.selector")
+    assert status["selector"] == ",".join(f"{k}={v}" for k, v in engine["spec"]["selector"]["matchLabels"].items())
+    patch = {"metadata": {"generation": 2}, "spec": {"replicas": 4}}
+    client.CustomObjectsApi(api).patch_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, "mu", patch)
+    scaled = wait_for(lambda: (d := deployment(api, "mu-engine")) and d["spec"]["replicas"] == 4 and d, "4 replicas")
+    assert scaled["spec"]["template"] == engine["spec"]["template"]
+
+
 def test_invalid_spec_is_reported_and_renders_nothing(operator: Any, api: client.ApiClient) -> None:
     # The API server would refuse this spec; an older CRD or a bypassed webhook must not get it rendered.
     create(api, "broken", {"blockSize": 24, "model": {"source": "PersistentVolumeClaim"}}, uid="uid-broken")
@@ -176,7 +194,10 @@ def test_invalid_spec_is_reported_and_renders_nothing(operator: Any, api: client
     assert (reconciled["status"], reconciled["reason"]) == ("False", "InvalidSpec")
     assert "spec.blockSize: must be one of" in reconciled["message"]
     assert "model.claimName is required" in reconciled["message"]
-    assert condition(api, "broken", "Ready")["reason"] == "InvalidSpec"
+    ready = condition(api, "broken", "Ready")
+    assert ready["reason"] == "InvalidSpec" and "spec.blockSize" in ready["message"]  # names the field
+    assert (condition(api, "broken", "Degraded")["status"], condition(api, "broken", "Degraded")["reason"]) == \
+        ("True", "InvalidSpec")
     assert deployment(api, "broken-engine") is None and deployment(api, "broken-tokenizer") is None
 
 
@@ -223,9 +244,10 @@ def test_tenant_salts_never_leave_their_secret(operator: Any, api: client.ApiCli
     client.CoreV1Api(api).create_namespaced_secret(NAMESPACE, secret)
     create(api, "delta", {"tenantSalts": {"secretName": "tenant-salts", "key": "acme"}}, uid="uid-delta")
     engine = wait_for(lambda: deployment(api, "delta-engine"), "the engine Deployment")
-    (scheduler,) = [c for c in engine["spec"]["template"]["spec"]["containers"] if c["name"] == "scheduler"]
-    assert {"name": "PREFIXCACHE_TENANT_SALT_KEY",
-            "valueFrom": {"secretKeyRef": {"name": "tenant-salts", "key": "acme"}}} in scheduler["env"]
+    # A mounted Secret (which the kubelet refreshes, and the scheduler reloads), never a value.
+    assert {"name": "salt-key", "secret": {"secretName": "tenant-salts", "items": [{"key": "acme", "path": "key"}]}} \
+        in engine["spec"]["template"]["spec"]["volumes"]
+    assert "--tenant-salt-key-file" in args_of(engine, "scheduler")
     wait_for(lambda: condition(api, "delta", "Reconciled"), "Reconciled")
 
     core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
@@ -251,7 +273,8 @@ def test_name_too_long_for_its_children_is_refused(operator: Any, api: client.Ap
 
 
 def test_placement_removed_from_the_spec_leaves_the_pods(operator: Any, api: client.ApiClient) -> None:
-    placed = {"nodeSelector": {"pool": "gpu"}, "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]}
+    # CPU workers: GPU workers keep a default toleration of the GPU taint whatever the spec says.
+    placed = {"gpus": 0, "nodeSelector": {"pool": "gpu"}, "tolerations": [{"key": "spot", "operator": "Exists"}]}
     create(api, "theta", {"worker": placed, "imagePullSecrets": ["regcred"]}, uid="uid-theta")
     engine = wait_for(lambda: deployment(api, "theta-engine"), "the engine Deployment")
     assert engine["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "gpu"}

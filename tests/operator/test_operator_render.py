@@ -12,7 +12,7 @@ import yaml
 from kubernetes_validate.utils import ValidationError
 
 from prefixcache.operator import kube
-from prefixcache.operator.render import CONFIG_HASH_ANNOTATION, ENGINE_SERVICE, Owner, render
+from prefixcache.operator.render import CACHE_IDENTITY_ANNOTATION, CONFIG_HASH_ANNOTATION, ENGINE_SERVICE, Owner, render
 from prefixcache.operator.spec import parse_spec
 from prefixcache.protos.engine.v1 import engine_pb2
 
@@ -72,7 +72,8 @@ def test_the_stack_and_its_ownership(rendered: list[dict[str, Any]]) -> None:
     assert sorted(by_name(rendered)) == [("ConfigMap", "chat-dashboard"), ("ConfigMap", "chat-env"),
                                          ("Deployment", "chat-engine"),
                                          ("Deployment", "chat-tokenizer"), ("NetworkPolicy", "chat-engine"),
-                                         ("NetworkPolicy", "chat-tokenizer"), ("Service", "chat"),
+                                         ("NetworkPolicy", "chat-tokenizer"),
+                                         ("PodDisruptionBudget", "chat-engine"), ("Service", "chat"),
                                          ("Service", "chat-tokenizer")]
     for obj in rendered:
         assert obj["metadata"]["namespace"] == "serving"
@@ -100,6 +101,7 @@ def test_spec_becomes_exact_command_lines() -> None:
         "--worker", "127.0.0.1:50052", "--block-size", "32", "--hash-algo", "xxhash", "--max-num-seqs", "64",
         "--metrics-port", "9090", "--grace", "105", "--health-port", "50055", "--no-prefix-caching",
         "--tenants", "/etc/prefixcache/tenants/tenants.json",
+        "--tenant-salt-key-file", "/etc/prefixcache/salt-key/key",
         "--tls-cert", "/etc/prefixcache/tls/tls.crt", "--tls-key", "/etc/prefixcache/tls/tls.key"]
     assert engine["worker"]["args"] == [
         "worker", "--host", "127.0.0.1", "--port", "50052", "--health-port", "50054", "--grace", "10",
@@ -127,7 +129,7 @@ def test_defaults_use_the_embedded_model_and_leave_worker_choices_to_the_worker(
     assert not {"--no-prefix-caching", "--tenants", "--tls-cert"} & set(engine["scheduler"]["args"])
     pod = objects["Deployment", "chat-engine"]["spec"]["template"]["spec"]
     assert [v["name"] for v in pod["volumes"]] == ["tmp"]  # no model volume
-    assert "PREFIXCACHE_TENANT_SALT_KEY" not in {e["name"] for e in engine["scheduler"]["env"]}
+    assert "--tenant-salt-key-file" not in engine["scheduler"]["args"]
 
 
 def test_worker_gets_gpus_and_resources() -> None:
@@ -135,8 +137,15 @@ def test_worker_gets_gpus_and_resources() -> None:
     assert engine["worker"]["resources"] == {"requests": {"cpu": "4", "memory": "16Gi"},
                                              "limits": {"memory": "32Gi", "nvidia.com/gpu": "1"}}
     assert engine["scheduler"]["resources"] == {"requests": {"cpu": "500m"}}
-    cpu_only = containers(by_name(render(OWNER, parse_spec({"worker": {"gpus": 0}})))["Deployment", "chat-engine"])
-    assert "resources" not in cpu_only["worker"] and "--device" not in cpu_only["worker"]["args"]
+    cpu_only = containers(by_name(render(OWNER, parse_spec({"worker": {"gpus": 0}, "kvCacheMemory": "4Gi"})))[
+        "Deployment", "chat-engine"])
+    # Requests where the spec sets none, so the pod is never BestEffort: on CPU the KV cache is host memory.
+    assert cpu_only["worker"]["resources"] == {"requests": {"cpu": "2", "memory": str(6 * 2**30)}}
+    assert "--device" not in cpu_only["worker"]["args"]
+    on_gpu = containers(by_name(render(OWNER, parse_spec({"worker": {"resources": {"requests": {"cpu": "3"}}}})))[
+        "Deployment", "chat-engine"])
+    assert on_gpu["worker"]["resources"] == {"requests": {"cpu": "3", "memory": str(2 * 2**30)},
+                                             "limits": {"nvidia.com/gpu": "1"}}
     # Scheduling ahead is the scheduler's default, on a GPU or not.
     assert not any("schedule-ahead" in arg for arg in [*engine["scheduler"]["args"], *cpu_only["scheduler"]["args"]])
 
@@ -150,7 +159,38 @@ def test_each_component_is_placed_where_its_spec_says() -> None:
     assert tokenizer["nodeSelector"] == {"pool": "cpu"} and tokenizer["tolerations"][0]["tolerationSeconds"] == 30
     assert engine["imagePullSecrets"] == tokenizer["imagePullSecrets"] == [{"name": "registry-credentials"}]
     defaults = by_name(render(OWNER, parse_spec({})))["Deployment", "chat-engine"]["spec"]["template"]["spec"]
-    assert not {"nodeSelector", "tolerations", "imagePullSecrets"} & set(defaults)
+    assert not {"nodeSelector", "imagePullSecrets", "runtimeClassName", "priorityClassName", "affinity"} & set(defaults)
+    # GPU nodes are usually tainted nvidia.com/gpu:NoSchedule: GPU pods tolerate it by default, CPU pods do not.
+    assert defaults["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    cpu = by_name(render(OWNER, parse_spec({"worker": {"gpus": 0}})))["Deployment", "chat-engine"]["spec"]["template"]
+    assert "tolerations" not in cpu["spec"]
+
+
+def test_engine_replicas_spread_across_nodes_and_one_goes_down_at_a_time() -> None:
+    objects = by_name(render(OWNER, parse_spec({"replicas": 3})))
+    pod = objects["Deployment", "chat-engine"]["spec"]["template"]
+    (spread,) = pod["spec"]["topologySpreadConstraints"]
+    assert (spread["topologyKey"], spread["whenUnsatisfiable"]) == ("kubernetes.io/hostname", "ScheduleAnyway")
+    assert spread["labelSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    budget = objects["PodDisruptionBudget", "chat-engine"]["spec"]
+    assert budget == {"maxUnavailable": 1, "selector": {"matchLabels": spread["labelSelector"]["matchLabels"]}}
+    assert objects["Deployment", "chat-engine"]["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0,
+                                                                                         "maxUnavailable": 1}
+    surge = by_name(render(OWNER, parse_spec({"rollout": {"maxSurge": 1}})))["Deployment", "chat-engine"]["spec"]
+    assert surge["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+
+
+def test_gpu_pod_settings_are_spec_fields() -> None:
+    worker = {"runtimeClassName": "nvidia", "priorityClassName": "inference-high", "startupProbeSeconds": 1800,
+              "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                  {"matchExpressions": [{"key": "gpu.product", "operator": "In", "values": ["H100"]}]}]}}}}
+    deployment = by_name(render(OWNER, parse_spec({"worker": worker})))["Deployment", "chat-engine"]
+    pod = deployment["spec"]["template"]["spec"]
+    assert (pod["runtimeClassName"], pod["priorityClassName"], pod["affinity"]) == (
+        "nvidia", "inference-high", worker["affinity"])
+    assert pod["initContainers"][0]["startupProbe"]["failureThreshold"] * 5 == 1800
+    assert deployment["spec"]["progressDeadlineSeconds"] == 1800 + 600  # a slow start is not a failed rollout
+    kubernetes_validate.validate(deployment, "1.33", strict=True)
 
 
 def test_model_claim_is_mounted_read_only_where_needed() -> None:
@@ -226,27 +266,76 @@ def test_tracing_is_configured_through_the_config_map() -> None:
     assert untraced["OTEL_TRACES_EXPORTER"] == "none" and "OTEL_EXPORTER_OTLP_ENDPOINT" not in untraced
 
 
-def test_config_change_rolls_the_pods_and_nothing_else_does() -> None:
-    def hashes(raw: dict[str, Any]) -> set[str]:
-        objects = render(OWNER, parse_spec(raw))
-        return {o["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
-                for o in objects if o["kind"] == "Deployment"}
-
-    assert len(hashes({})) == 1
-    assert hashes({}) == hashes({"replicas": 5})
-    assert hashes({}) != hashes({"otel": {"endpoint": "http://otel:4317"}})
+def templates(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The engine's and the tokenizer's pod templates: a change to one rolls that Deployment's pods."""
+    return {o["metadata"]["name"].removeprefix("chat-"): o["spec"]["template"]
+            for o in render(OWNER, parse_spec(raw)) if o["kind"] == "Deployment"}
 
 
-def test_tenant_salt_key_reaches_only_the_scheduler_and_only_by_reference() -> None:
+# (change to the defaults, the GPU (engine) pods roll, the tokenizer pods roll, the cache identity changes)
+ROLLS = [
+    ({"replicas": 5}, False, False, False),
+    ({"tokenizer": {"replicas": 3}}, False, False, False),
+    ({"otel": {"endpoint": "http://otel:4317"}}, False, True, False),
+    ({"model": {"id": "a display name"}}, False, False, False),
+    ({"cacheHealth": {"intervalSeconds": 5, "thrashing": {"evictedMissShare": 0.2}}}, False, False, False),
+    ({"tokenizer": {"resources": {"requests": {"cpu": "2"}}}}, False, True, False),
+    ({"blockSize": 32}, True, False, True),
+    ({"hashAlgorithm": "xxhash"}, True, False, True),
+    ({"enablePrefixCaching": False}, True, False, True),
+    ({"kvCacheMemory": "4Gi"}, True, False, True),
+    ({"worker": {"dtype": "bfloat16"}}, True, False, True),
+    ({"worker": {"attentionBackend": "torch"}}, True, False, True),
+    ({"worker": {"gpus": 0}}, True, False, True),
+    ({"worker": {"image": "worker:2"}}, True, False, True),
+    ({"model": {"source": "PersistentVolumeClaim", "claimName": "models"}}, True, True, True),
+    ({"maxNumSeqs": 64}, True, False, False),
+    ({"worker": {"resources": {"requests": {"memory": "20Gi"}}}}, True, False, False),
+    ({"terminationGracePeriodSeconds": 90}, True, False, False),
+    ({"tenantSalts": {"secretName": "salts"}}, True, False, False),  # a new mount; the key's rotation rolls nothing
+    ({"tenants": {"secretName": "tenants"}}, True, False, False),
+    ({"image": "control-plane:2"}, True, True, False),
+]
+
+
+@pytest.mark.parametrize(("change", "engine_rolls", "tokenizer_rolls", "identity_changes"), ROLLS,
+                         ids=[json.dumps(r[0]) for r in ROLLS])
+def test_which_spec_changes_roll_which_pods(change: dict[str, Any], engine_rolls: bool, tokenizer_rolls: bool,
+                                            identity_changes: bool) -> None:
+    """GPU pods roll for what needs a new process, and never for tracing, replicas or the tokenizer; a
+    warm cache is emptied only when that cannot be helped."""
+    before, after = templates({}), templates(change)
+    assert (before["engine"] != after["engine"], before["tokenizer"] != after["tokenizer"]) == \
+        (engine_rolls, tokenizer_rolls)
+    identity = [t["engine"]["metadata"]["annotations"][CACHE_IDENTITY_ANNOTATION] for t in (before, after)]
+    assert (identity[0] != identity[1]) == identity_changes
+    assert CONFIG_HASH_ANNOTATION not in after["engine"]["metadata"]["annotations"]
+
+
+def test_tenant_salt_key_reaches_only_the_scheduler_and_only_as_a_mounted_secret() -> None:
     objects = by_name(render(OWNER, parse_spec(FULL_SPEC)))
-    engine = containers(objects["Deployment", "chat-engine"])
-    env = {e["name"]: e for e in engine["scheduler"]["env"]}
-    assert env["PREFIXCACHE_TENANT_SALT_KEY"] == {
-        "name": "PREFIXCACHE_TENANT_SALT_KEY", "valueFrom": {"secretKeyRef": {"name": "tenant-salts", "key": "hmac"}}}
-    references = [(o["metadata"]["name"], json.dumps(o).count("secretKeyRef")) for o in objects.values()]
-    assert [r for r in references if r[1]] == [("chat-engine", 1)]  # once, in the scheduler
-    assert "PREFIXCACHE_TENANT_SALT_KEY" not in {e["name"] for e in engine["worker"]["env"]}
+    deployment = objects["Deployment", "chat-engine"]
+    engine = containers(deployment)
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["salt-key"] == {"name": "salt-key", "secret": {"secretName": "tenant-salts",
+                                                                  "items": [{"key": "hmac", "path": "key"}]}}
+    assert {"name": "salt-key", "mountPath": "/etc/prefixcache/salt-key", "readOnly": True} \
+        in engine["scheduler"]["volumeMounts"]
+    assert "salt-key" not in {m["name"] for m in engine["worker"]["volumeMounts"]}
     assert "tenant-salts" not in yaml.safe_dump(objects["ConfigMap", "chat-env"])
+    assert "secretKeyRef" not in json.dumps(list(objects.values()))
+
+
+def test_the_operator_is_an_admin_of_a_stack_with_tenants_by_a_hash_only() -> None:
+    objects = by_name(render(OWNER, parse_spec(FULL_SPEC), operator_admin_hash="sha256:" + "ab" * 32))
+    admins = json.loads(objects["ConfigMap", "chat-operator-admin"]["data"]["admins.json"])
+    assert admins == {"admins": [{"name": "prefixcache-operator", "api_keys": ["sha256:" + "ab" * 32]}]}
+    scheduler = containers(objects["Deployment", "chat-engine"])["scheduler"]
+    assert scheduler["args"][scheduler["args"].index("--admins") + 1] == "/etc/prefixcache/operator-admin/admins.json"
+    # No tenants: every caller may read the whole cache, so no admin is needed.
+    plain = by_name(render(OWNER, parse_spec({}), operator_admin_hash="sha256:" + "ab" * 32))
+    assert ("ConfigMap", "chat-operator-admin") not in plain
+    assert "--admins" not in containers(plain["Deployment", "chat-engine"])["scheduler"]["args"]
 
 
 def test_the_worker_is_reachable_from_its_scheduler_only() -> None:

@@ -57,10 +57,17 @@ def test_crd_schema_is_structural() -> None:
 
 def test_crd_has_status_subresource_and_printer_columns() -> None:
     (version,) = load_crd()["spec"]["versions"]
-    assert version["subresources"] == {"status": {}}
-    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    # `kubectl scale pcd` and an HPA on the resource: replicas in the spec, the engine pods' selector in the status.
+    assert version["subresources"] == {"status": {}, "scale": {
+        "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.availableReplicas",
+        "labelSelectorPath": ".status.selector"}}
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"] if not c.get("priority")}
+    assert list(columns) == ["Ready", "Replicas", "Available", "Model", "Block", "Hash", "Hit rate", "Age"]
     assert columns["Ready"] == '.status.conditions[?(@.type=="Ready")].status'
     assert columns["Block"] == ".spec.blockSize" and columns["Hash"] == ".spec.hashAlgorithm"
+    assert columns["Hit rate"] == ".status.cache.hitRate"
+    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    assert {"selector", "cache"} <= set(status)
 
 
 def test_empty_spec_gets_every_default() -> None:
@@ -71,9 +78,11 @@ def test_empty_spec_gets_every_default() -> None:
         "blockSize": 16, "hashAlgorithm": "sha256", "enablePrefixCaching": True, "maxNumSeqs": 256,
         "kvCacheMemory": "2Gi",
         "worker": {"image": "prefixcache/worker:0.1.0", "gpus": 1, "gpuResource": "nvidia.com/gpu", "dtype": "auto",
-                   "attentionBackend": "auto", "resources": {}},
+                   "attentionBackend": "auto", "resources": {}, "startupProbeSeconds": 600},
+        "rollout": {"maxSurge": 0},
         "scheduler": {"resources": {}}, "tokenizer": {"replicas": 1, "resources": {}},
         "terminationGracePeriodSeconds": 60,
+        "cacheHealth": {"intervalSeconds": 30, "thrashing": {"evictedMissShare": 0.5, "kvUsage": 0.8, "intervals": 2}},
     }
 
 

@@ -43,6 +43,35 @@ OTEL_LOGS_EXPORTER: none
 {{ include "prefixcache.configData" . | fromYaml | toJson | sha256sum }}
 {{- end }}
 
+{{/* kvCacheMemory in bytes: an integer as is, a quantity ("8Gi", "1.5G") times its suffix; a quantity
+     that is not a whole number of bytes is refused, as the operator refuses it. */}}
+{{- define "prefixcache.kvCacheMemoryBytes" -}}
+{{- $quantity := .Values.kvCacheMemory }}
+{{- if kindIs "string" $quantity }}
+{{- $suffix := regexFind "(Ki|Mi|Gi|Ti|k|M|G|T)$" $quantity }}
+{{- $number := trimSuffix $suffix $quantity }}
+{{- $scale := get (dict "" 1 "k" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776) $suffix }}
+{{- if contains "." $number }}
+{{- $bytes := mulf (float64 $number) $scale }}
+{{- if ne $bytes (float64 (int64 $bytes)) }}
+{{- fail (printf "kvCacheMemory: %q must be a positive whole number of bytes" $quantity) }}
+{{- end }}
+{{- int64 $bytes }}
+{{- else }}
+{{- mul (int64 $number) $scale }}
+{{- end }}
+{{- else }}
+{{- int64 $quantity }}
+{{- end }}
+{{- end }}
+
+{{/* Engine pod template annotation: what the cached blocks mean and where they live (the operator's
+     render.cache_identity, the same keys and JSON). Tracing is not in it: it never restarts GPU pods. */}}
+{{- define "prefixcache.cacheIdentity" -}}
+{{- $identity := dict "modelDir" (include "prefixcache.modelDir" .) "claimName" (ternary .Values.model.claimName "" (eq .Values.model.source "PersistentVolumeClaim")) "workerImage" .Values.worker.image "blockSize" (int64 .Values.blockSize) "hashAlgorithm" .Values.hashAlgorithm "enablePrefixCaching" .Values.enablePrefixCaching "dtype" .Values.worker.dtype "attentionBackend" .Values.worker.attentionBackend "gpus" (int64 .Values.worker.gpus) "kvCacheMemoryBytes" (int64 (include "prefixcache.kvCacheMemoryBytes" .)) }}
+{{- toJson $identity | sha256sum }}
+{{- end }}
+
 {{/* One service container. Arguments: root, name, image, args (list), port (none for a service on
      loopback only), startupSeconds, resources (dict); optional healthPort (the plaintext health port the
      probes then check) and healthPortName (default health; port names are unique within a pod),
@@ -159,6 +188,12 @@ imagePullSecrets:
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [get, list, watch, create, patch]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list]  # the cache-health poller finds the ready engine pods and reads each one's cache statistics
 - apiGroups: [""]
   resources: [events]
   verbs: [create]

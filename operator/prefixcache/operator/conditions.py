@@ -4,7 +4,13 @@
 Types:
     Reconciled  the children match the current spec (False, reason InvalidSpec/NotOwned/Rejected, when they can't)
     Ready       the Engine API serves the current spec: every engine replica is updated and available, and a
-                tokenizer is (False, reason Progressing/TokenizerUnavailable/RolloutFailed/ScaledToZero, until then)
+                tokenizer is (False, reason Progressing/TokenizerUnavailable/RolloutFailed/ScaledToZero, or the
+                Reconciled reason, until then; the message names the field or the object)
+    Progressing a rollout of the current spec is under way (True, reason RollingOut; False: Complete,
+                ScaledToZero, or the reason it stopped)
+    Degraded    something needs a person: an invalid or refused spec, a stopped rollout, no tokenizer
+                (True with that reason; False, AsExpected)
+    CacheThrashing  cache_health.py (Unknown while nothing could be measured)
 """
 from __future__ import annotations
 
@@ -15,12 +21,16 @@ from typing import Any
 
 RECONCILED = "Reconciled"
 READY = "Ready"
+PROGRESSING = "Progressing"
+DEGRADED = "Degraded"
+_DEGRADING = frozenset({"InvalidSpec", "NotOwned", "Rejected", "RolloutFailed", "TokenizerUnavailable"})
+_STATUS = {True: "True", False: "False", None: "Unknown"}
 
 
 @dataclass(frozen=True, slots=True)
 class Condition:
     type: str
-    status: bool
+    status: bool | None  # None: Unknown
     reason: str
     message: str = ""
 
@@ -28,7 +38,7 @@ class Condition:
 def merge_condition(existing: Sequence[Mapping[str, Any]] | None, new: Condition, generation: int | None,
                     now: datetime | None = None) -> list[dict[str, Any]]:
     """The condition list with `new` replacing its type's entry."""
-    status = "True" if new.status else "False"
+    status = _STATUS[new.status]
     previous = next((c for c in existing or () if c.get("type") == new.type), None)
     if previous is not None and previous.get("status") == status and previous.get("lastTransitionTime"):
         transition = previous["lastTransitionTime"]
@@ -50,7 +60,8 @@ def find_condition(existing: Sequence[Mapping[str, Any]] | None, type_: str) -> 
     """The stored condition of a type, without its bookkeeping fields."""
     for entry in existing or ():
         if entry.get("type") == type_:
-            return Condition(type_, entry.get("status") == "True", entry.get("reason", ""),
+            status = {"True": True, "False": False}.get(entry.get("status", ""))
+            return Condition(type_, status, entry.get("reason", ""),
                              entry.get("message", ""))
     return None
 
@@ -101,3 +112,14 @@ def readiness(desired_replicas: int, engine: Rollout | None, tokenizer: Rollout 
         return Condition(READY, False, "Progressing",
                          f"{engine.available} of {desired_replicas} engine replicas available")
     return Condition(READY, True, "Available", f"{engine.available} engine replicas available")
+
+
+def progress_conditions(ready: Condition) -> tuple[Condition, Condition]:
+    """Progressing and Degraded, from what Ready says and why."""
+    if ready.status:
+        return Condition(PROGRESSING, False, "Complete", ready.message), Condition(DEGRADED, False, "AsExpected")
+    if ready.reason == "Progressing":
+        return Condition(PROGRESSING, True, "RollingOut", ready.message), Condition(DEGRADED, False, "AsExpected")
+    degraded = ready.reason in _DEGRADING
+    return (Condition(PROGRESSING, False, ready.reason, ready.message),
+            Condition(DEGRADED, degraded, ready.reason if degraded else "AsExpected", ready.message if degraded else ""))

@@ -6,8 +6,10 @@ Handlers stay thin: validate (`spec.py`), render (`render.py`), write (`kube.py`
 Deletion needs no handler and no finalizer: every child carries an ownerReference, so the cluster's garbage
 collector removes the stack, and deleting never waits for the operator to be up.
 
-The operator reads no Secret. The tenant salt key reaches the scheduler through a secretKeyRef the kubelet
-resolves, so it cannot appear in the operator's logs, events or the resource's status.
+The operator reads no Secret. The tenants file and the tenant salt key reach the scheduler as mounted
+Secrets the kubelet resolves (and refreshes: the scheduler reloads both), so they cannot appear in the
+operator's logs, events or the resource's status. For stacks with tenants, the operator holds its own
+admin key (`admin_key.py`) to read their cache statistics (`cache_poller.py`).
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ import kopf
 from kubernetes import client, config
 
 from prefixcache.operator import kube
+from prefixcache.operator.admin_key import key_hash, new_admin_key
+from prefixcache.operator.cache_poller import CachePoller
 from prefixcache.operator.conditions import (
     READY,
     RECONCILED,
@@ -29,9 +33,10 @@ from prefixcache.operator.conditions import (
     condition_status,
     find_condition,
     merge_condition,
+    progress_conditions,
     readiness,
 )
-from prefixcache.operator.render import MANAGED_BY, Owner, render
+from prefixcache.operator.render import MANAGED_BY, Owner, render, selector_labels
 from prefixcache.operator.schema import GROUP, KIND, PLURAL, VERSION, SpecError
 from prefixcache.operator.spec import check_name, parse_spec
 
@@ -78,6 +83,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
         config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))  # read now, not at import
     memo.api = client.ApiClient()
     memo.stacks = Stacks()
+    memo.admin_key = new_admin_key()  # in memory only: the cluster gets its hash
+    memo.poller = asyncio.create_task(CachePoller(memo.api, memo.admin_key).run(memo.stacks.owners))
     # Not kopf.timer: kopf puts a finalizer on every object a timer watches, and deleting a
     # PrefixCacheDeployment would then wait for the operator to be running.
     memo.resync = asyncio.create_task(_resync_forever(memo, float(os.environ.get(RESYNC_INTERVAL_ENV, "60"))))
@@ -86,6 +93,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
 @kopf.on.cleanup()
 async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
     memo.resync.cancel()
+    memo.poller.cancel()
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -100,7 +108,8 @@ def reconcile(body: kopf.Body, spec: kopf.Spec, status: kopf.Status, meta: kopf.
 
     def report(condition: Condition) -> None:
         nonlocal conditions
-        conditions = merge_condition(conditions, condition, generation)
+        for each in (condition, *progress_conditions(condition)) if condition.type == READY else (condition,):
+            conditions = merge_condition(conditions, each, generation)
         patch.status["conditions"] = conditions
 
     try:
@@ -108,20 +117,20 @@ def reconcile(body: kopf.Body, spec: kopf.Spec, status: kopf.Status, meta: kopf.
         parsed = parse_spec(spec)
     except SpecError as error:
         report(Condition(RECONCILED, False, "InvalidSpec", str(error)))
-        report(Condition(READY, False, "InvalidSpec", "the spec is invalid; see the Reconciled condition"))
+        report(Condition(READY, False, "InvalidSpec", f"invalid spec: {error}"))
         raise kopf.PermanentError(f"invalid spec: {error}") from error
 
     owner = Owner.from_body(body)
     try:
         with memo.stacks.lock(owner.namespace, owner.name):
-            kube.apply(memo.api, render(owner, parsed), owner.uid)
+            kube.apply(memo.api, render(owner, parsed, key_hash(memo.admin_key)), owner.uid)
             memo.stacks.owners[owner.namespace, owner.name] = owner.uid
     except kube.NotOwnedError as error:
         report(Condition(RECONCILED, False, "NotOwned", str(error)))
         raise kopf.TemporaryError(str(error), delay=60) from error
     except kube.RejectedError as error:  # a spec the schema allows but the API server does not
         report(Condition(RECONCILED, False, "Rejected", str(error)))
-        report(Condition(READY, False, "Rejected", "the API server refused a child object; see the Reconciled condition"))
+        report(Condition(READY, False, "Rejected", f"the API server refused a child object: {error}"))
         raise kopf.PermanentError(f"rejected by the API server: {error}") from error
 
     report(Condition(RECONCILED, True, "Applied", f"children match generation {generation}"))
@@ -131,6 +140,7 @@ def reconcile(body: kopf.Body, spec: kopf.Spec, status: kopf.Status, meta: kopf.
     patch.status["availableReplicas"] = engine_available
     patch.status["replicas"] = parsed.replicas
     patch.status["engineEndpoint"] = owner.engine_endpoint
+    patch.status["selector"] = ",".join(f"{k}={v}" for k, v in selector_labels(owner, "engine").items())
     logger.info("reconciled: %d engine replicas, block size %d, %s", parsed.replicas, parsed.block_size,
                 parsed.hash_algorithm)
 
@@ -145,7 +155,7 @@ def child_changed(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_:
     owner_ref = next((ref for ref in body.metadata.get("ownerReferences") or [] if ref.get("kind") == KIND), None)
     if owner_ref is not None:
         _restore_and_report(memo.api, memo.stacks, owner_ref["name"], body.metadata["namespace"],
-                            owner_ref.get("uid"), logger)
+                            owner_ref.get("uid"), key_hash(memo.admin_key), logger)
 
 
 async def _resync_forever(memo: kopf.Memo, interval_s: float) -> None:
@@ -155,13 +165,14 @@ async def _resync_forever(memo: kopf.Memo, interval_s: float) -> None:
         await asyncio.sleep(interval_s)
         for (namespace, name), uid in list(memo.stacks.owners.items()):
             try:
-                await asyncio.to_thread(_restore_and_report, memo.api, memo.stacks, name, namespace, uid, log)
+                await asyncio.to_thread(_restore_and_report, memo.api, memo.stacks, name, namespace, uid,
+                                        key_hash(memo.admin_key), log)
             except Exception:  # the API server unreachable, say: the next round tries again
                 log.exception("resync of %s/%s failed", namespace, name)
 
 
 def _restore_and_report(api: client.ApiClient, stacks: Stacks, name: str, namespace: str, uid: str | None,
-                        logger: logging.Logger) -> None:
+                        admin_hash: str, logger: logging.Logger) -> None:
     with stacks.lock(namespace, name):
         parent = kube.read_custom(api, name, namespace)
         if parent is None or parent["metadata"].get("uid") != uid or parent["metadata"].get("deletionTimestamp"):
@@ -174,7 +185,7 @@ def _restore_and_report(api: client.ApiClient, stacks: Stacks, name: str, namesp
             return  # the spec cannot be applied, or a newer one is being reconciled: that handler reports
         owner = Owner.from_body(parent)
         try:
-            restored = kube.apply(api, render(owner, parse_spec(parent["spec"])), owner.uid)
+            restored = kube.apply(api, render(owner, parse_spec(parent["spec"]), admin_hash), owner.uid)
         except (SpecError, kube.NotOwnedError, kube.RejectedError) as error:
             logger.warning("cannot restore the children of %s/%s: %s", namespace, name, error)
             return
@@ -183,10 +194,10 @@ def _restore_and_report(api: client.ApiClient, stacks: Stacks, name: str, namesp
     engine_available, condition = _readiness(api, owner, int(status.get("replicas") or 0))
     if find_condition(conditions, READY) == condition and status.get("availableReplicas") == engine_available:
         return  # unchanged: no write, no new resourceVersion
-    kube.patch_custom_status(api, name, namespace, {
-        "availableReplicas": engine_available,
-        "conditions": merge_condition(conditions, condition, parent["metadata"].get("generation")),
-    })
+    generation = parent["metadata"].get("generation")
+    for each in (condition, *progress_conditions(condition)):
+        conditions = merge_condition(conditions, each, generation)
+    kube.patch_custom_status(api, name, namespace, {"availableReplicas": engine_available, "conditions": conditions})
 
 
 def _readiness(api: client.ApiClient, owner: Owner, desired_replicas: int) -> tuple[int, Condition]:

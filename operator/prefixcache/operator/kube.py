@@ -41,6 +41,7 @@ _KINDS = {
     "Service": _KindApi(client.CoreV1Api, "service"),
     "Deployment": _KindApi(client.AppsV1Api, "deployment"),
     "NetworkPolicy": _KindApi(client.NetworkingV1Api, "network_policy"),
+    "PodDisruptionBudget": _KindApi(client.PolicyV1Api, "pod_disruption_budget"),
 }
 
 
@@ -118,7 +119,8 @@ def _same_quantity(a: Any, b: Any) -> bool:
 
 # Pod-spec fields the renderer leaves out when the spec has nothing for them. A merge patch keeps
 # what it does not mention, so once rendered they must be removed explicitly (null) when dropped.
-_OPTIONAL_POD_FIELDS = ("nodeSelector", "tolerations", "imagePullSecrets")
+_OPTIONAL_POD_FIELDS = ("nodeSelector", "tolerations", "imagePullSecrets", "runtimeClassName", "priorityClassName",
+                        "affinity")
 
 
 # Maps that must hold exactly the rendered keys: a merge patch merges maps, so a key that is no
@@ -203,3 +205,13 @@ def patch_custom_status(api_client: client.ApiClient, name: str, namespace: str,
                         status: Mapping[str, Any]) -> None:
     client.CustomObjectsApi(api_client).patch_namespaced_custom_object_status(
         GROUP, VERSION, namespace, PLURAL, name, {"status": dict(status)}, _content_type=MERGE_PATCH)
+
+
+def list_pods(api_client: client.ApiClient, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+    """The pods that carry every one of `labels` (filtered here too: a selector is only a request)."""
+    selector = ",".join(f"{key}={value}" for key, value in labels.items())
+    found = client.CoreV1Api(api_client).list_namespaced_pod(namespace, label_selector=selector,
+                                                             _preload_content=False)
+    pods = json.loads(found.data).get("items") or []
+    return [pod for pod in pods
+            if all((pod.get("metadata", {}).get("labels") or {}).get(k) == v for k, v in labels.items())]

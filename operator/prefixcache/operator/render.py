@@ -6,7 +6,9 @@
              │
     Service <name>-tokenizer  :50053 ◄── Deployment <name>-tokenizer
     ConfigMap <name>-env      environment shared by every container (tracing)
+    ConfigMap <name>-operator-admin  with tenants: the operator's admin key hash (admin_key.py)
     NetworkPolicy <name>-engine, <name>-tokenizer   who may connect to which pod, on which port
+    PodDisruptionBudget <name>-engine  one engine pod down at a time (pods also spread over nodes)
     ConfigMap <name>-dashboard  the Grafana dashboard, for Grafana's sidecar (label grafana_dashboard: "1")
 
 Every service serves Prometheus metrics (scheduler :9090, worker :9091, tokenizer :9092); each pod's
@@ -25,6 +27,9 @@ The NetworkPolicies let the engine pods be reached on the Engine API, metrics an
 and the tokenizer by the engine pods only. With `tenants`, the scheduler reads the tenants file from
 its mounted Secret (and again when the Secret changes); with `tls`, it serves the Engine API over TLS
 from a mounted kubernetes.io/tls Secret.
+Rollouts: the engine pod template carries the cache identity's hash (`cache_identity`), not the
+tracing ConfigMap's, so telemetry never restarts a GPU pod (the engine containers read the new
+environment at their next start); the tokenizer, which holds no cache, rolls with the ConfigMap.
 The tokenizer is stateless and shared. No function here talks to a cluster; every object carries an
 ownerReference to the PrefixCacheDeployment so deleting it garbage-collects the stack.
 """
@@ -37,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prefixcache.operator.admin_key import ADMIN_NAME
 from prefixcache.operator.schema import GROUP, KIND, VERSION
 from prefixcache.operator.spec import EMBEDDED, Placement, PrefixCacheSpec, Resources
 
@@ -61,15 +67,18 @@ TOKENIZER_GRACE_SECONDS = 25
 # the worker image all of it, the control-plane image the tokenizer's files.
 EMBEDDED_MODEL_DIR = "/opt/prefixcache/models/SmolLM2-135M-Instruct"
 MODEL_MOUNT = "/models"
-# The scheduler derives each tenant's salt as HMAC-SHA256(key, tenant); every replica needs the same key.
-TENANT_SALT_KEY_ENV = "PREFIXCACHE_TENANT_SALT_KEY"
 # Secrets are mounted as directories, never by subPath: the kubelet updates those, so keys and
 # certificates rotate without a restart.
 TENANTS_DIR = "/etc/prefixcache/tenants"
 TENANTS_FILE = "tenants.json"
+OPERATOR_ADMIN_DIR = "/etc/prefixcache/operator-admin"  # the operator's admin key hash (admin_key.py)
+ADMINS_FILE = "admins.json"
+SALT_KEY_DIR = "/etc/prefixcache/salt-key"
+SALT_KEY_FILE = "key"
 ENGINE_TLS_DIR = "/etc/prefixcache/tls"
 RUN_AS_USER = 10001  # the images' unprivileged user
-CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
+CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"  # the tokenizer's: its environment (tracing)
+CACHE_IDENTITY_ANNOTATION = f"{GROUP}/cache-identity"  # the engine's: what its cached blocks mean (cache_identity)
 MANAGED_BY = "prefixcache-operator"
 
 
@@ -112,6 +121,10 @@ class Owner:
         return f"{self.name}-env"
 
     @property
+    def operator_admin(self) -> str:
+        return f"{self.name}-operator-admin"
+
+    @property
     def dashboard(self) -> str:
         return f"{self.name}-dashboard"
 
@@ -132,19 +145,29 @@ def _go_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).translate(_GO_JSON_ESCAPES)
 
 
-ENGINE_PROGRESS_DEADLINE_S = 1200
+SCHEDULER_STARTUP_SECONDS = 300
+# Requests of a worker that sets none: the host memory of the process (torch, the CUDA context, the
+# weights on their way to the GPU) and, on CPU, its KV cache; enough for the embedded model: set
+# worker.resources.requests for larger ones.
+WORKER_BASE_MEMORY_BYTES = 2 * 2**30
+WORKER_CPU = {True: "1", False: "2"}  # with a GPU, without
 
 
-def render(owner: Owner, spec: PrefixCacheSpec) -> list[dict[str, Any]]:
-    """All objects of the stack, in apply order (config before the pods that read it)."""
+def render(owner: Owner, spec: PrefixCacheSpec, operator_admin_hash: str | None = None) -> list[dict[str, Any]]:
+    """All objects of the stack, in apply order (config before the pods that read it).
+    `operator_admin_hash`: the operator's admin key hash, made an admin of a stack with tenants
+    (None, as the chart renders it: no admin but the tenants file's)."""
     env_config = _config_map(owner, spec)
     config_hash = hashlib.sha256(_go_json(env_config["data"]).encode()).hexdigest()
+    admins = [_operator_admins(owner, operator_admin_hash)] if spec.tenants and operator_admin_hash else []
     return [
         env_config,
+        *admins,
         _service(owner, "tokenizer", owner.tokenizer_service, TOKENIZER_PORT),
         _tokenizer_deployment(owner, spec, config_hash),
         _service(owner, "engine", owner.engine_service, ENGINE_PORT),
-        _engine_deployment(owner, spec, config_hash),
+        _engine_deployment(owner, spec, bool(admins)),
+        _disruption_budget(owner),
         *_network_policies(owner),
         _dashboard(owner),
     ]
@@ -174,6 +197,13 @@ def _config_map(owner: Owner, spec: PrefixCacheSpec) -> dict[str, Any]:
         data = {"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none", "OTEL_LOGS_EXPORTER": "none"}
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(owner, owner.config_map, "config"),
             "data": data}
+
+
+def _operator_admins(owner: Owner, key_hash: str) -> dict[str, Any]:
+    """The admins file that makes the operator an admin of this stack's Engine API: a key's hash only."""
+    admins = {"admins": [{"name": ADMIN_NAME, "api_keys": [key_hash]}]}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(owner, owner.operator_admin, "config"),
+            "data": {ADMINS_FILE: json.dumps(admins)}}
 
 
 def _dashboard(owner: Owner) -> dict[str, Any]:
@@ -302,14 +332,33 @@ def _pod_spec(containers: list[dict[str, Any]], volumes: list[dict[str, Any]], g
     return pod
 
 
+def cache_identity(spec: PrefixCacheSpec) -> dict[str, Any]:
+    """What decides what an engine pod's cached blocks mean and where they live: the weights (model
+    directory, claim, worker image), how blocks are cut and hashed, the numerics (dtype, attention
+    backend, device) and the KV budget. Its hash is on the engine pod template; a change to it is a
+    change of the template, and so rolls the GPU pods, as it must (their caches would be wrong or
+    misplaced). The Deployment rolls for other template changes too (images, resources, placement,
+    maxNumSeqs, the grace period: each needs a new process); never for tracing, replicas, the
+    tokenizer's settings, or a rotated key (see the module docstring)."""
+    return {"modelDir": _model_dir(spec), "claimName": spec.model.claim_name or "",
+            "workerImage": spec.worker.image, "blockSize": spec.block_size, "hashAlgorithm": spec.hash_algorithm,
+            "enablePrefixCaching": spec.enable_prefix_caching, "dtype": spec.worker.dtype,
+            "attentionBackend": spec.worker.attention_backend, "gpus": spec.worker.gpus,
+            "kvCacheMemoryBytes": spec.kv_cache_memory_bytes}
+
+
+def cache_identity_hash(spec: PrefixCacheSpec) -> str:
+    return hashlib.sha256(_go_json(cache_identity(spec)).encode()).hexdigest()
+
+
 def _deployment(owner: Owner, name: str, component: str, replicas: int, pod_spec: dict[str, Any],
-                config_hash: str, strategy: dict[str, Any] | None = None) -> dict[str, Any]:
+                annotations: dict[str, str], strategy: dict[str, Any] | None = None) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "replicas": replicas,
         "selector": {"matchLabels": selector_labels(owner, component)},
         "template": {
             "metadata": {"labels": _labels(owner, component),
-                         "annotations": {CONFIG_HASH_ANNOTATION: config_hash}},
+                         "annotations": dict(annotations)},
             "spec": pod_spec,
         },
     }
@@ -329,12 +378,13 @@ def _tokenizer_deployment(owner: Owner, spec: PrefixCacheSpec, config_hash: str)
     container["volumeMounts"] += mounts
     container["ports"].append({"name": "metrics", "containerPort": TOKENIZER_METRICS_PORT, "protocol": "TCP"})
     pod = _pod_spec([container], volumes, TOKENIZER_POD_GRACE_SECONDS, spec.tokenizer.placement, spec.image_pull_secrets)
-    deployment = _deployment(owner, owner.tokenizer_deployment, "tokenizer", spec.tokenizer.replicas, pod, config_hash)
+    deployment = _deployment(owner, owner.tokenizer_deployment, "tokenizer", spec.tokenizer.replicas, pod,
+                             {CONFIG_HASH_ANNOTATION: config_hash})
     deployment["spec"]["template"]["metadata"]["annotations"] |= _scrape_annotations(TOKENIZER_METRICS_PORT)
     return deployment
 
 
-def _scheduler_args(owner: Owner, spec: PrefixCacheSpec) -> list[str]:
+def _scheduler_args(owner: Owner, spec: PrefixCacheSpec, operator_admin: bool) -> list[str]:
     args = ["scheduler", "--port", str(ENGINE_PORT),
             "--tokenizer", f"{owner.tokenizer_service}.{owner.namespace}.svc:{TOKENIZER_PORT}",
             "--worker", f"127.0.0.1:{WORKER_PORT}",
@@ -345,6 +395,10 @@ def _scheduler_args(owner: Owner, spec: PrefixCacheSpec) -> list[str]:
         args.append("--no-prefix-caching")
     if spec.tenants is not None:
         args += ["--tenants", f"{TENANTS_DIR}/{TENANTS_FILE}"]
+    if operator_admin:
+        args += ["--admins", f"{OPERATOR_ADMIN_DIR}/{ADMINS_FILE}"]
+    if spec.tenant_salts is not None:
+        args += ["--tenant-salt-key-file", f"{SALT_KEY_DIR}/{SALT_KEY_FILE}"]
     if spec.tls is not None:
         args += ["--tls-cert", f"{ENGINE_TLS_DIR}/tls.crt", "--tls-key", f"{ENGINE_TLS_DIR}/tls.key"]
     return args
@@ -370,54 +424,97 @@ def _worker_args(spec: PrefixCacheSpec) -> list[str]:
 
 
 def _worker_resources(spec: PrefixCacheSpec) -> Resources:
+    """The spec's resources, with CPU and memory requests derived where it sets none (a pod without
+    requests is BestEffort, the first evicted under pressure) and the GPUs as limits."""
     resources = spec.worker.resources
-    if spec.worker.gpus == 0:
-        return resources
-    return Resources(requests=resources.requests,
-                     limits={**resources.limits, spec.worker.gpu_resource: str(spec.worker.gpus)})
+    on_gpu = spec.worker.gpus > 0
+    memory = WORKER_BASE_MEMORY_BYTES + (0 if on_gpu else spec.kv_cache_memory_bytes)
+    requests = {"cpu": WORKER_CPU[on_gpu], "memory": str(memory), **resources.requests}
+    if not on_gpu:
+        return Resources(requests=requests, limits=resources.limits)
+    return Resources(requests=requests, limits={**resources.limits, spec.worker.gpu_resource: str(spec.worker.gpus)})
 
 
-def _scheduler_secrets(spec: PrefixCacheSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(pod volumes, scheduler mounts) for the tenants file and the Engine API's certificate."""
+def _worker_placement(spec: PrefixCacheSpec) -> Placement:
+    """The spec's placement, and a toleration of the GPU resource's usual taint (`nvidia.com/gpu`
+    NoSchedule, as the GPU operators and managed node pools set) unless the spec tolerates that key."""
+    placement = spec.worker.placement
+    key = spec.worker.gpu_resource
+    if spec.worker.gpus == 0 or any(t.get("key") == key for t in placement.tolerations):
+        return placement
+    return Placement(node_selector=placement.node_selector,
+                     tolerations=(*placement.tolerations, {"key": key, "operator": "Exists", "effect": "NoSchedule"}))
+
+
+def _disruption_budget(owner: Owner) -> dict[str, Any]:
+    """At most one engine pod down by a voluntary disruption (a drain, an upgrade) at a time: the
+    other replicas keep their warm caches and serve."""
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": _metadata(owner, owner.engine_deployment, "engine"),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(owner, "engine")}}}
+
+
+def _scheduler_secrets(owner: Owner, spec: PrefixCacheSpec,
+                       operator_admin: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(pod volumes, scheduler mounts) for the tenants file, the operator's admins file, the salt key
+    and the Engine API's certificate: each a directory the kubelet updates in place."""
     volumes, mounts = [], []
     if spec.tenants is not None:
         volumes.append({"name": "tenants", "secret": {"secretName": spec.tenants.secret_name, "items": [
             {"key": spec.tenants.key, "path": TENANTS_FILE}]}})
         mounts.append({"name": "tenants", "mountPath": TENANTS_DIR, "readOnly": True})
+    if operator_admin:
+        volumes.append({"name": "operator-admin", "configMap": {"name": owner.operator_admin}})
+        mounts.append({"name": "operator-admin", "mountPath": OPERATOR_ADMIN_DIR, "readOnly": True})
+    if spec.tenant_salts is not None:
+        volumes.append({"name": "salt-key", "secret": {"secretName": spec.tenant_salts.secret_name, "items": [
+            {"key": spec.tenant_salts.key, "path": SALT_KEY_FILE}]}})
+        mounts.append({"name": "salt-key", "mountPath": SALT_KEY_DIR, "readOnly": True})
     if spec.tls is not None:
         volumes.append({"name": "engine-tls", "secret": {"secretName": spec.tls.secret_name}})
         mounts.append({"name": "engine-tls", "mountPath": ENGINE_TLS_DIR, "readOnly": True})
     return volumes, mounts
 
 
-def _engine_deployment(owner: Owner, spec: PrefixCacheSpec, config_hash: str) -> dict[str, Any]:
+def _engine_deployment(owner: Owner, spec: PrefixCacheSpec, operator_admin: bool) -> dict[str, Any]:
     # Ready while the Engine can serve: the scheduler's Engine health drops while a lost worker is replaced.
-    scheduler = _container(owner, "scheduler", spec.image, spec, _scheduler_args(owner, spec), ENGINE_PORT,
-                           startup_seconds=300, resources=spec.scheduler_resources, ready_service=ENGINE_SERVICE,
+    scheduler = _container(owner, "scheduler", spec.image, spec, _scheduler_args(owner, spec, operator_admin),
+                           ENGINE_PORT,
+                           startup_seconds=SCHEDULER_STARTUP_SECONDS, resources=spec.scheduler_resources,
+                           ready_service=ENGINE_SERVICE,
                            health_port=SCHEDULER_HEALTH_PORT)
     volumes, mounts = _model_volumes(spec)
     # The worker loads weights and may compile kernels before it reports SERVING: allow ten minutes.
-    worker = _container(owner, "worker", spec.worker.image, spec, _worker_args(spec), None, startup_seconds=600,
-                        resources=_worker_resources(spec), health_port=WORKER_HEALTH_PORT,
-                        health_port_name="worker-health")
+    worker = _container(owner, "worker", spec.worker.image, spec, _worker_args(spec), None,
+                        startup_seconds=spec.worker.startup_probe_seconds, resources=_worker_resources(spec),
+                        health_port=WORKER_HEALTH_PORT, health_port_name="worker-health")
     worker["volumeMounts"] += mounts
-    if spec.tenant_salts is not None:
-        scheduler["env"].append({"name": TENANT_SALT_KEY_ENV, "valueFrom": {"secretKeyRef": {
-            "name": spec.tenant_salts.secret_name, "key": spec.tenant_salts.key}}})
-    secret_volumes, secret_mounts = _scheduler_secrets(spec)
+    secret_volumes, secret_mounts = _scheduler_secrets(owner, spec, operator_admin)
     scheduler["volumeMounts"] += secret_mounts
     worker["restartPolicy"] = "Always"  # a native sidecar: up before the scheduler, down after it
     scheduler["ports"].append({"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"})
     worker["ports"].append({"name": "worker-metrics", "containerPort": WORKER_METRICS_PORT, "protocol": "TCP"})
     pod = _pod_spec([scheduler], [*volumes, *secret_volumes], spec.termination_grace_period_seconds,
-                    spec.worker.placement, spec.image_pull_secrets)
+                    _worker_placement(spec), spec.image_pull_secrets)
     pod["initContainers"] = [worker]
-    # GPUs are scarce: replace pods one at a time instead of surging onto GPUs that may not exist
-    # (LeaderWorkerSet and Dynamo's Grove path default to the same).
-    strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
-    deployment = _deployment(owner, owner.engine_deployment, "engine", spec.replicas, pod, config_hash, strategy)
-    # The worker may take its 600 s startup before the scheduler starts and takes its 300 s: a rollout
+    # Replicas on different nodes where there are nodes enough: one drain or node failure takes one
+    # warm cache, not all of them (ScheduleAnyway: never a reason to leave a pod pending).
+    pod["topologySpreadConstraints"] = [{
+        "maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+        "labelSelector": {"matchLabels": selector_labels(owner, "engine")}, "matchLabelKeys": ["pod-template-hash"]}]
+    for key, value in (("runtimeClassName", spec.worker.runtime_class_name),
+                       ("priorityClassName", spec.worker.priority_class_name), ("affinity", spec.worker.affinity)):
+        if value:
+            pod[key] = value
+    # GPUs are scarce: by default replace pods one at a time instead of surging onto GPUs that may not
+    # exist (LeaderWorkerSet and Dynamo's Grove path default to the same); rollout.maxSurge 1 starts
+    # the new pod first, for a single replica that cannot go down.
+    surge = spec.max_surge
+    strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": surge, "maxUnavailable": 1 - surge}}
+    deployment = _deployment(owner, owner.engine_deployment, "engine", spec.replicas, pod,
+                             {CACHE_IDENTITY_ANNOTATION: cache_identity_hash(spec)}, strategy)
+    # The worker may take its startup (worker.startupProbeSeconds) before the scheduler starts and takes its: a rollout
     # must not be reported failed (the default deadline is 600 s) while a healthy pod still starts.
-    deployment["spec"]["progressDeadlineSeconds"] = ENGINE_PROGRESS_DEADLINE_S
+    deployment["spec"]["progressDeadlineSeconds"] = spec.worker.startup_probe_seconds + SCHEDULER_STARTUP_SECONDS + 300
     deployment["spec"]["template"]["metadata"]["annotations"] |= _scrape_annotations(METRICS_PORT)
     return deployment

@@ -75,6 +75,10 @@ class WorkerSpec:
     attention_backend: str  # "auto" leaves the choice to the worker
     resources: Resources
     placement: Placement = field(default_factory=Placement)  # of the engine pods: scheduler and worker
+    startup_probe_seconds: int = 600
+    runtime_class_name: str | None = None
+    priority_class_name: str | None = None
+    affinity: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +86,16 @@ class TokenizerSpec:
     replicas: int
     resources: Resources
     placement: Placement = field(default_factory=Placement)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheHealthSpec:
+    """How the operator watches the cache (`cache_poller.py`) and when it calls it thrashing."""
+
+    interval_seconds: int = 30
+    thrashing_evicted_miss_share: float = 0.5
+    thrashing_kv_usage: float = 0.8
+    thrashing_intervals: int = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +118,8 @@ class PrefixCacheSpec:
     tls: SecretRef | None = None  # the Engine API's kubernetes.io/tls certificate
     otel_endpoint: str | None = None
     image_pull_secrets: tuple[str, ...] = ()
+    cache_health: CacheHealthSpec = field(default_factory=CacheHealthSpec)
+    max_surge: int = 0
 
 
 def parse_spec(raw_spec: Mapping[str, Any] | None) -> PrefixCacheSpec:
@@ -157,7 +173,10 @@ def parse_spec(raw_spec: Mapping[str, Any] | None) -> PrefixCacheSpec:
         kv_cache_memory_bytes=kv_bytes,
         worker=WorkerSpec(image=worker["image"], gpus=worker["gpus"], gpu_resource=worker["gpuResource"], dtype=worker["dtype"],
                           attention_backend=worker["attentionBackend"],
-                          resources=_resources(worker["resources"]), placement=_placement(worker)),
+                          resources=_resources(worker["resources"]), placement=_placement(worker),
+                          startup_probe_seconds=worker["startupProbeSeconds"],
+                          runtime_class_name=worker.get("runtimeClassName"),
+                          priority_class_name=worker.get("priorityClassName"), affinity=worker.get("affinity")),
         scheduler_resources=_resources(spec["scheduler"]["resources"]),
         tokenizer=TokenizerSpec(replicas=spec["tokenizer"]["replicas"],
                                 resources=_resources(spec["tokenizer"]["resources"]),
@@ -169,6 +188,12 @@ def parse_spec(raw_spec: Mapping[str, Any] | None) -> PrefixCacheSpec:
         tls=SecretRef(spec["tls"]["secretName"]) if "tls" in spec else None,
         otel_endpoint=(spec.get("otel") or {}).get("endpoint"),
         image_pull_secrets=tuple(spec.get("imagePullSecrets") or ()),
+        cache_health=CacheHealthSpec(
+            interval_seconds=spec["cacheHealth"]["intervalSeconds"],
+            thrashing_evicted_miss_share=float(spec["cacheHealth"]["thrashing"]["evictedMissShare"]),
+            thrashing_kv_usage=float(spec["cacheHealth"]["thrashing"]["kvUsage"]),
+            thrashing_intervals=spec["cacheHealth"]["thrashing"]["intervals"]),
+        max_surge=spec["rollout"]["maxSurge"],
     )
 
 

@@ -36,7 +36,7 @@ from prefixcache.scheduler.api.servicer import SERVICE_NAME, EngineServicer
 from prefixcache.scheduler.config import SchedulerConfig
 from prefixcache.scheduler.engine import EngineCore, WorkerUnavailable
 from prefixcache.scheduler.readiness import Readiness
-from prefixcache.scheduler.tenancy import ConfigError, TenantRegistry
+from prefixcache.scheduler.tenancy import KEY_ENV, ConfigError, TenantRegistry, TenantSalts
 from prefixcache.scheduler.tokenizer_client import TokenizerClient
 from prefixcache.scheduler.worker_client import GrpcStepExecutor
 
@@ -71,6 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tenants", type=Path, metavar="FILE",
                         help="tenants and admins with their credentials (JSON; read again when it changes); "
                              "every call must then authenticate (default: no tenants, the local single-user mode)")
+    parser.add_argument("--admins", type=Path, metavar="FILE",
+                        help="more admins, in a file of the tenants file's format (read again when it changes); "
+                             "needs --tenants")
+    parser.add_argument("--tenant-salt-key-file", type=Path, metavar="FILE",
+                        help="the key tenants' salts are derived from when the tenants file has no salt_key, "
+                             f"or for the `tenant` field without tenants (read again when it changes; "
+                             f"default: ${KEY_ENV}, else a random key per process)")
     parser.add_argument("--max-prompt-bytes", type=int, default=DEFAULT_MAX_PROMPT_BYTES,
                         help="refuse a text or chat prompt larger than this before tokenizing it")
     add_health_port_argument(parser)
@@ -104,8 +111,17 @@ def peer_tls(args: argparse.Namespace, ca: Path | None) -> ChannelTls | None:
 
 
 async def serve(args: argparse.Namespace) -> int:
+    if args.admins is not None and args.tenants is None:
+        log.error("--admins needs --tenants: without tenants every caller may read the whole cache")
+        return 2
     try:
-        registry = TenantRegistry(args.tenants) if args.tenants is not None else None
+        salts = TenantSalts(key_file=args.tenant_salt_key_file) if args.tenant_salt_key_file else TenantSalts()
+    except (OSError, ValueError) as error:
+        log.error("--tenant-salt-key-file: %s", error)  # names the file, never the key
+        return 2
+    try:
+        registry = TenantRegistry(args.tenants, admins_path=args.admins, fallback_salts=salts) \
+            if args.tenants is not None else None
     except (ConfigError, OSError) as error:  # a ConfigError names the field, never a value
         log.error("--tenants %s: %s", args.tenants, error)
         return 2
@@ -120,7 +136,7 @@ async def serve(args: argparse.Namespace) -> int:
         log.error("%s", error)
         return 2
     engine = EngineCore(config, executor)
-    servicer = EngineServicer(engine, tokenizer, request_spans=request_spans, registry=registry,
+    servicer = EngineServicer(engine, tokenizer, request_spans=request_spans, registry=registry, tenants=salts,
                               max_prompt_bytes=args.max_prompt_bytes)
     health = health_aio.HealthServicer()
     readiness = Readiness(health, SERVICE_NAME, tokenizer.is_serving)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prefixcache.scheduler.tenancy.keys import is_key_hash
@@ -91,6 +91,17 @@ def parse_config(text: str | bytes) -> TenantsConfig:
         raise ConfigError(problems)
     return TenantsConfig(tenants=tenants, admins=admins, limits=limits,
                          salt_key=salt_key.encode() if salt_key is not None else None)
+
+
+def with_admins_of(config: TenantsConfig, admins_file: TenantsConfig) -> TenantsConfig:
+    """`config` with the admins of a second file, which must hold admins only (ConfigError otherwise)."""
+    problems = []
+    if admins_file.tenants or admins_file.salt_key is not None:
+        problems.append("admins file: holds admins only (no tenants, no salt_key)")
+    problems += _duplicates((*config.principals, *admins_file.admins))
+    if problems:
+        raise ConfigError(problems)
+    return replace(config, admins=(*config.admins, *admins_file.admins))
 
 
 def _principals(raw: Any, where: str, fields: set[str], problems: list[str], admin: bool = False) -> tuple[Principal, ...]:
