@@ -1,7 +1,14 @@
-"""Client channels shared by the services and the CLI: tracing, message limits, fast reconnects, TLS."""
+"""Client channels shared by the services and the CLI: tracing, message limits, fast reconnects, TLS,
+and calls spread over every address a name resolves to.
+
+gRPC's default policy, pick_first, sends every call over one connection to the first address. A
+Kubernetes headless Service (the tokenizer's) resolves to every ready pod, so channels balance
+round robin, call by call: each tokenizer replica takes its share of one scheduler's calls. For a
+single address the two policies behave alike."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import grpc
@@ -20,10 +27,12 @@ RECONNECT_OPTIONS = (
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
 
+ROUND_ROBIN = ("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]}))
+
 
 def open_channel(target: str, tls: ChannelTls | None = None) -> aio.Channel:
     """A channel to `target` (HOST:PORT) that propagates the trace context: TLS with `tls`, plaintext without."""
-    options = [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS]
+    options = [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS, ROUND_ROBIN]
     if tls is not None:
         return aio.secure_channel(target, tls.credentials(), options=options, interceptors=client_interceptors())
     return aio.insecure_channel(target, options=options, interceptors=client_interceptors())
