@@ -10,7 +10,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from prefixcache.operator.render import Owner, render
+from prefixcache.operator.owner import Owner
+from prefixcache.operator.render import render
 from prefixcache.operator.spec import SpecError, parse_spec
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's Go SDK as a library) is not installed")

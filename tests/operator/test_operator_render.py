@@ -12,7 +12,10 @@ import yaml
 from kubernetes_validate.utils import ValidationError
 
 from prefixcache.operator import kube
-from prefixcache.operator.render import CACHE_IDENTITY_ANNOTATION, CONFIG_HASH_ANNOTATION, ENGINE_SERVICE, Owner, render
+from prefixcache.operator.engine_pods import ENGINE_SERVICE
+from prefixcache.operator.owner import Owner
+from prefixcache.operator.render import render
+from prefixcache.operator.rollout_hashes import CACHE_IDENTITY_ANNOTATION, CONFIG_HASH_ANNOTATION
 from prefixcache.operator.spec import parse_spec
 from prefixcache.protos.engine.v1 import engine_pb2
 

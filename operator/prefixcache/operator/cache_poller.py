@@ -38,7 +38,8 @@ from prefixcache.operator.conditions import (
     find_condition,
     merge_condition,
 )
-from prefixcache.operator.render import ENGINE_PORT, Owner, selector_labels
+from prefixcache.operator.owner import Owner, selector_labels
+from prefixcache.operator.ports import ENGINE_PORT
 from prefixcache.operator.schema import SpecError
 from prefixcache.operator.spec import CacheHealthSpec, parse_spec
 

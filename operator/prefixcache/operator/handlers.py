@@ -36,7 +36,8 @@ from prefixcache.operator.conditions import (
     progress_conditions,
     readiness,
 )
-from prefixcache.operator.render import MANAGED_BY, Owner, render, selector_labels
+from prefixcache.operator.owner import MANAGED_BY, Owner, selector_labels
+from prefixcache.operator.render import render
 from prefixcache.operator.schema import GROUP, KIND, PLURAL, VERSION, SpecError
 from prefixcache.operator.spec import check_name, parse_spec
 
