@@ -66,7 +66,7 @@ OTEL_LOGS_EXPORTER: none
 {{- end }}
 
 {{/* Engine pod template annotation: what the cached blocks mean and where they live (the operator's
-     render.cache_identity, the same keys and JSON). Tracing is not in it: it never restarts GPU pods. */}}
+     rollout_hashes.cache_identity, the same keys and JSON). Tracing is not in it: it never restarts GPU pods. */}}
 {{- define "prefixcache.cacheIdentity" -}}
 {{- $identity := dict "modelDir" (include "prefixcache.modelDir" .) "claimName" (ternary .Values.model.claimName "" (eq .Values.model.source "PersistentVolumeClaim")) "workerImage" .Values.worker.image "blockSize" (int64 .Values.blockSize) "hashAlgorithm" .Values.hashAlgorithm "enablePrefixCaching" .Values.enablePrefixCaching "dtype" .Values.worker.dtype "attentionBackend" .Values.worker.attentionBackend "gpus" (int64 .Values.worker.gpus) "kvCacheMemoryBytes" (int64 (include "prefixcache.kvCacheMemoryBytes" .)) }}
 {{- toJson $identity | sha256sum }}
