@@ -97,6 +97,10 @@ class CachePoller:
         healths = await asyncio.gather(*(self._read(pod, state, spec.tls is not None, spec.tenants is not None)
                                          for pod in pods if _ready(pod)))
         state.readings = {h.name: h.current for h in healths if h.current is not None}
+        if not healths and "cache" not in status:
+            # No engine pod has been ready yet: nothing to report, and no status write (each write
+            # is a watch event that kopf must process before the stack's next spec change).
+            return settings.interval_seconds
         cache = summary(healths, settings.interval_seconds)
         verdict = is_thrashing(cache, _thresholds(settings))
         state.streak = state.streak + 1 if verdict else 0
