@@ -79,10 +79,6 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     for resource in (("apps", "v1", "deployments"), ("", "v1", "services"), ("", "v1", "configmaps"),
                      ("networking.k8s.io", "v1", "networkpolicies")):
         settings.watching.label_selectors[resource] = managed
-    # The handlers are synchronous (the official client) and run in kopf's thread pool: each stack's
-    # events wait for a free thread, and a pool sized by the CPU count (6 threads on 2 cores) queues a
-    # spec change behind every other stack's child events.
-    settings.execution.max_workers = 32
     try:
         config.load_incluster_config()
     except config.ConfigException:
