@@ -31,6 +31,9 @@ def api(emulated_cluster: EmulatedCluster) -> client.ApiClient:
     return config.new_client_from_config()
 
 
+RESYNC_BOUND_S = 90.0  # the operator re-applies every stack every 60 s (handlers.RESYNC_INTERVAL_ENV)
+
+
 def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -297,8 +300,9 @@ def test_maps_that_must_match_the_spec_lose_keys_it_no_longer_has(operator: Any,
     patch = {"metadata": {"generation": 2},
              "spec": {"worker": {"nodeSelector": {"cloud.google.com/gke-accelerator": None}}}}
     client.CustomObjectsApi(api).patch_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, "iota", patch)
+    # Within the operator's periodic resync (60 s) at the latest, should the update event come late.
     wait_for(lambda: deployment(api, "iota-engine")["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "gpu"},
-             "the dropped label to leave the engine pods' node selector")
+             "the dropped label to leave the engine pods' node selector", timeout=RESYNC_BOUND_S)
     # An edit made while a spec is being reconciled waits for the periodic resync: edit after it.
     wait_for(lambda: condition(api, "iota", "Reconciled")["observedGeneration"] == 2, "observedGeneration 2")
 
