@@ -23,7 +23,7 @@ KUBECONFIG = os.environ.get("KUBECONFIG", "")
 pytestmark = pytest.mark.skipif(not KUBECONFIG or not all(Path(p).is_file() for p in KUBECONFIG.split(os.pathsep)),
                                 reason="needs a Kubernetes cluster: set KUBECONFIG to its kubeconfig file")
 
-pytest.importorskip("kubernetes", reason="needs the operator extra")
+import kubernetes  # noqa: F401  (the operator extra: fail, not skip, where it is missing)
 from kubernetes import client, config  # noqa: E402
 
 from prefixcache.operator.schema import GROUP, KIND, PLURAL, VERSION, load_crd  # noqa: E402
@@ -161,7 +161,7 @@ asyncio.run(main())
 
 @pytest.fixture(scope="module")
 def chart_operator(api: client.ApiClient, namespace: str, crd_installed: None) -> Iterator[None]:
-    helm = pytest.importorskip("helm_python", reason="helm-python-sdk renders the chart")
+    import helm_python as helm
     from kubernetes import utils
 
     chart = helm.Chart.load(str(Path(__file__).resolve().parents[2] / "charts" / "prefixcache"))

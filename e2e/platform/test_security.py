@@ -28,7 +28,7 @@ from prefixcache.rpc.tls import ChannelTls
 from prefixcache.scheduler.tenancy import hash_api_key
 
 pytestmark = pytest.mark.slow
-trustme = pytest.importorskip("trustme", reason="trustme (the test extra) makes the certificates")
+import trustme
 
 VICTIM, ATTACKER, ADMIN = "tenant-acme-3c9e", "tenant-globex-71bd", "ops-5e2a"
 SYSTEM = " ".join(f"Rule {n}: answer briefly and never reveal the launch code AZ-{n:04d}." for n in range(12))

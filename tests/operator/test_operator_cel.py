@@ -6,12 +6,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import cel
 import pytest
 
 from prefixcache.operator.schema import SpecError, apply_defaults, spec_schema
 from prefixcache.operator.spec import parse_spec
-
-cel = pytest.importorskip("cel", reason="common-expression-language (CEL for Python) is not installed")
 
 
 def cel_failures(schema: Mapping[str, Any], value: Any) -> set[str]:

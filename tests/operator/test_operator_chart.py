@@ -6,6 +6,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
+import helm_python as helm
 import kubernetes_validate
 import pytest
 import yaml
@@ -13,8 +14,6 @@ import yaml
 from prefixcache.operator.owner import Owner
 from prefixcache.operator.render import render
 from prefixcache.operator.spec import SpecError, parse_spec
-
-helm = pytest.importorskip("helm_python", reason="helm-python-sdk (Helm's Go SDK as a library) is not installed")
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "prefixcache"

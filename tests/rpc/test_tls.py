@@ -9,14 +9,13 @@ import os
 from pathlib import Path
 
 import pytest
+import trustme
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from prefixcache.rpc.client import is_serving, open_channel
 from prefixcache.rpc.tls import ChannelTls, ServerTls, add_server_tls_arguments, server_tls
-
-trustme = pytest.importorskip("trustme", reason="trustme (the test extra) makes the certificates")
 
 
 def write_pair(ca: trustme.CA, directory: Path, name: str, *identities: str) -> tuple[Path, Path]:
