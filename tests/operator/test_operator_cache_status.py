@@ -8,13 +8,10 @@ import asyncio
 import json
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-from kube_emulator import EmulatedCluster, running_operator
-from kubernetes import client, config
+from kubernetes import client
 from test_operator_handlers import NAMESPACE, condition, create, get, wait_for
 
 sys.path[:0] = [str(Path(__file__).parents[1] / "scheduler"), str(Path(__file__).parents[1] / "scheduler" / "api")]
@@ -67,18 +64,6 @@ class EngineInThread:
                 return [(await engine.complete(request)).usage.cached_tokens for _ in range(2)]
 
         return asyncio.run_coroutine_threadsafe(twice(), self.loop).result(60)
-
-
-@pytest.fixture(scope="module")
-def operator(emulated_cluster: EmulatedCluster) -> Iterator[Any]:
-    with running_operator() as runner:
-        yield runner
-    assert runner.exception is None, runner.output[-4000:]
-
-
-@pytest.fixture(scope="module")
-def api(emulated_cluster: EmulatedCluster) -> client.ApiClient:
-    return config.new_client_from_config()
 
 
 def engine_pod(api: client.ApiClient, stack: str, name: str, port: int) -> None:

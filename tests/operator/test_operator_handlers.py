@@ -5,30 +5,18 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import kmock
 import pytest
-from kube_emulator import EmulatedCluster, running_operator
-from kubernetes import client, config
+from kube_emulator import EmulatedCluster
+from kubernetes import client
 
 from prefixcache.operator.schema import GROUP, KIND, PLURAL, VERSION
 
 NAMESPACE = "default"
 SALT_VALUES = ("salt-for-acme-7f3a9c", "salt-for-globex-41d2e8")
-
-
-@pytest.fixture(scope="module")
-def operator(emulated_cluster: EmulatedCluster) -> Iterator[Any]:
-    with running_operator() as runner:
-        yield runner
-    assert runner.exception is None, runner.output[-4000:]
-
-
-@pytest.fixture(scope="module")
-def api(emulated_cluster: EmulatedCluster) -> client.ApiClient:
-    return config.new_client_from_config()
 
 
 RESYNC_BOUND_S = 90.0  # the operator re-applies every stack every 60 s (handlers.RESYNC_INTERVAL_ENV)
